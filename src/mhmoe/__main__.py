@@ -1,0 +1,5 @@
+import sys
+
+from mhmoe.cli import main
+
+sys.exit(main())

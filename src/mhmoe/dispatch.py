@@ -1,0 +1,74 @@
+"""Token dispatch: capacity, grouping (sub-token, slot) pairs by expert, combine.
+
+Shape legend: S routed (sub-)tokens, K slots per token, E experts, D_in expert width,
+N = number of valid (token, slot) pairs (N <= S*K).
+
+Two execution paths over the same :class:`~mhmoe.routers.RouterOutput`:
+
+- :func:`sorted_moe` -- the default: a stable argsort of the slots by expert gives each expert a
+  contiguous block of rows; rows are gathered once, each expert runs on its block, outputs are
+  scattered back to slot order and combined with a weighted sum over the K slots (no atomics).
+- :func:`loop_moe` (in :mod:`mhmoe.reference`) -- the per-expert masked loop, the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from mhmoe.experts import GroupedExperts
+from mhmoe.routers import RouterOutput
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """GShard capacity: ceil(capacity_factor * n_tokens * top_k / n_experts) slots per expert."""
+    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+def apply_capacity(experts: Tensor, valid: Tensor, capacity: int, n_experts: int) -> Tensor:
+    """Drop (token, slot) pairs that overflow their expert's capacity (GShard semantics).
+
+    Priority: every token's first choice before any second choice, then token order. Dropped pairs
+    become invalid, so the token gets zero output from that expert (the residual carries it).
+
+    experts, valid: [S, K] (ids in 0..n_experts-1). Returns the new valid mask [S, K].
+    """
+    S, K = experts.shape
+    E = n_experts
+    # slot-major order: (k=0, s=0..S-1), (k=1, ...)
+    e_flat = torch.where(valid, experts, E).t().reshape(-1)
+    order = torch.argsort(e_flat, stable=True)
+    counts = torch.bincount(e_flat, minlength=E + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    pos_sorted = torch.arange(e_flat.numel(), device=experts.device) - starts[e_flat[order]]
+    pos = torch.empty_like(pos_sorted)
+    pos[order] = pos_sorted
+    keep = (pos < capacity).reshape(K, S).t()
+    return valid & keep
+
+
+def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, Tensor, list[int]]:
+    """Group valid slots by expert.
+
+    Returns ``order`` [N] flat slot indices (into S*K) sorted by expert (stable: token order within
+    an expert), ``counts`` [E] int64 rows per expert, and the same counts as python ints (one
+    device-to-host copy; the per-expert loop needs the block sizes).
+    """
+    key = torch.where(valid, experts, n_experts).reshape(-1)
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    order = torch.argsort(key, stable=True)
+    counts_list = counts.tolist()
+    return order[: sum(counts_list)], counts, counts_list
+
+
+def sorted_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """Dropless grouped dispatch. x: [S, D_in] -> [S, D_in] = sum_k w[s,k] * Expert_{e[s,k]}(x[s])."""
+    S, K = route.experts.shape
+    order, _, counts = sort_slots(route.experts, route.valid, experts.n_experts)
+    rows = experts.forward_sorted(x[order // K], counts)  # [N, D_in]
+    slots = x.new_zeros(S * K, x.shape[1])
+    slots[order] = rows
+    w = route.weights.to(x.dtype)
+    return torch.einsum("skd,sk->sd", slots.view(S, K, -1), w)

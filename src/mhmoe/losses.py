@@ -1,0 +1,60 @@
+"""Auxiliary router losses as pure functions of a routing decision.
+
+All functions take fp32 router tensors and a token mask ([S] bool; padding excluded) and return a
+0-dim fp32 tensor. For MH-MoE every statistic is counted over *sub-tokens* (ICML Eq.10: |X| is
+the number of sub-tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x [S, ...] over rows where mask [S] is True (0 when no row is)."""
+    m = mask.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+    return (x * m).sum(0) / m.sum().clamp_min(1.0)
+
+
+def load_balancing_loss(probs: Tensor, experts: Tensor, valid: Tensor, token_mask: Tensor) -> Tensor:
+    """Switch / GShard load-balancing loss, ICML MH-MoE Eq.10.
+
+    ``L = E * sum_e f_e * P_e`` where ``f_e`` is the fraction of the routed (sub-token, slot) pairs
+    sent to expert e (the paper's t_p, normalised by |X|*K so it is a frequency) and ``P_e`` the mean
+    gate probability of expert e over the sub-tokens. Equals 1 for a perfectly uniform router.
+
+    Args:
+        probs: [S, E] gate distribution. experts: [S, K] chosen expert ids.
+        valid: [S, K] chosen slots (the choice before capacity drops). token_mask: [S].
+    """
+    E = probs.shape[-1]
+    sel = valid & token_mask[:, None]
+    counts = torch.bincount(experts[sel], minlength=E).to(probs.dtype)
+    f = counts / counts.sum().clamp_min(1.0)
+    p = _masked_mean(probs, token_mask)
+    return E * (f * p).sum()
+
+
+def router_z_loss(logits: Tensor, token_mask: Tensor) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2. logits: [S, E]."""
+    return _masked_mean(torch.logsumexp(logits, dim=-1) ** 2, token_mask)
+
+
+def entropy_loss(probs: Tensor, token_mask: Tensor, mode: str = "token") -> Tensor:
+    """Survey Eq.3, ``-sum_i p_i log p_i``, in one of two readings (the survey does not say over what).
+
+    - ``token``: mean over tokens of each token's gate entropy; minimising it sharpens decisions.
+    - ``batch``: ``log E - H(mean_s p_s)``, >= 0 and zero when the batch-average gate is uniform;
+      minimising it balances the load.
+    """
+    eps = torch.finfo(probs.dtype).tiny
+    if mode == "token":
+        h = -(probs * (probs + eps).log()).sum(-1)
+        return _masked_mean(h, token_mask)
+    if mode == "batch":
+        p = _masked_mean(probs, token_mask)
+        return math.log(probs.shape[-1]) + (p * (p + eps).log()).sum()
+    raise ValueError(f"invalid entropy mode={mode!r}: allowed token | batch")
