@@ -70,5 +70,4 @@ def sorted_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     rows = experts.forward_sorted(x[order // K], counts)  # [N, D_in]
     slots = x.new_zeros(S * K, x.shape[1])
     slots[order] = rows
-    w = route.weights.to(x.dtype)
-    return torch.einsum("skd,sk->sd", slots.view(S, K, -1), w)
+    return (slots.view(S, K, -1) * route.weights.to(x.dtype)[:, :, None]).sum(1)

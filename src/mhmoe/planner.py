@@ -168,7 +168,6 @@ def plan(d_model: int, d_ff: int, experts: int, top_k: int = 1, ffn: str = "swig
     mats = mlp_layers * (int(head_layer) + int(merge_layer))
     common = dict(ffn=ffn, include_router=include_router, shared=shared, d_shared=d_shared)
     base = count_layer(d_model, d_ff, experts, top_k, heads=1, **common)
-    a = d_model / heads
 
     def count(f: float, e: float) -> LayerCount:
         return count_layer(d_model, f, e, k_h, heads=heads, head_merge_mats=mats, **common)
