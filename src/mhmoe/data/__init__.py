@@ -1,0 +1,55 @@
+"""Data and tokenizers for mhmoe: corpora, document splits, tokenizers, token caches, batch samplers.
+
+Entry point for the trainer::
+
+    from mhmoe.data import DataConfig, prepare_data, BatchSampler, iter_eval_batches
+
+    data = prepare_data(DataConfig(), seq_len=256)
+    sampler = BatchSampler(data.train, batch_size=32, seq_len=256, seed=cfg.seed)
+    x, y = sampler.get_batch(step)                      # pure function of (seed, step, micro_step, rank)
+    for x, y in iter_eval_batches(data.val["kjv"], batch_size=32, seq_len=256, max_batches=20): ...
+
+See docs/DATA.md for corpora, split rules, tokenizers and the cache format.
+"""
+
+from mhmoe.data.bpe import BPETokenizer, load_or_train_bpe, train_bpe
+from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus, registry_names
+from mhmoe.data.documents import Corpus, Document, assign_splits, chunk_text, source_hash
+from mhmoe.data.prepare import DataConfig, PreparedData, prepare_data
+from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
+from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
+from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens, token_dtype
+from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer
+
+__all__ = [
+    "BPETokenizer",
+    "BatchSampler",
+    "ByteTokenizer",
+    "Corpus",
+    "CorpusUnavailableError",
+    "DataConfig",
+    "Document",
+    "EOS_TEXT",
+    "PreparedData",
+    "REGISTRY",
+    "TiktokenTokenizer",
+    "TokenFile",
+    "Tokenizer",
+    "assign_splits",
+    "batch_seed",
+    "chunk_text",
+    "count_eval_batches",
+    "default_cache_dir",
+    "get_pretrained_tokenizer",
+    "iter_eval_batches",
+    "load_cl100k_base",
+    "load_corpus",
+    "load_gpt2",
+    "load_or_build_tokens",
+    "load_or_train_bpe",
+    "prepare_data",
+    "registry_names",
+    "source_hash",
+    "token_dtype",
+    "train_bpe",
+]

@@ -1,0 +1,181 @@
+"""The trainer's entry point: :class:`DataConfig` -> :func:`prepare_data` -> :class:`PreparedData`.
+
+``prepare_data`` loads the training corpus, splits it by document, trains (or loads from the cache)
+the tokenizer on the train split unless one is passed in, tokenizes the train split into a cached
+memory-mapped token file, and builds validation arrays: the training corpus's own ``val`` split
+plus the ``val`` split of every extra corpus in ``val_sets`` (a path in ``val_sets`` is used whole),
+each capped at ``val_tokens`` tokens.  Documents are joined with EOS (each one is followed by EOS).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mhmoe.data.bpe import MIN_BPE_VOCAB, load_or_train_bpe
+from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus
+from mhmoe.data.documents import Corpus
+from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens
+from mhmoe.data.tokenizer import Tokenizer, get_pretrained_tokenizer
+from mhmoe.errors import ConfigError, DataError
+
+TOKENIZERS: tuple[str, ...] = ("bpe", "gpt2", "cl100k_base", "byte")
+MAX_BPE_VOCAB = 1 << 20
+log = logging.getLogger(__name__)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class DataConfig:
+    """What to train and validate on; validated on construction (``ConfigError``)."""
+
+    corpus: str = "kjv"  # registry name (kjv, pydocs, wordnet) or a path (file, dir, .jsonl, .parquet)
+    jsonl_field: str = "text"  # text field of .jsonl rows / .parquet column
+    tokenizer: str = "bpe"  # bpe | gpt2 | cl100k_base | byte
+    vocab_size: int = 8192  # for bpe
+    val_sets: tuple[str, ...] = ("kjv", "pydocs", "wordnet")  # extra cross-domain validation corpora
+    val_tokens: int = 65536  # cap of tokens per validation set
+    cache_dir: str = ""  # default: $MHMOE_CACHE or ~/.cache/mhmoe
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if isinstance(self.val_sets, (list, str)):
+            self.val_sets = (self.val_sets,) if isinstance(self.val_sets, str) else tuple(self.val_sets)
+        for name in ("corpus", "jsonl_field", "tokenizer"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"data.{name}", value, "a non-empty string")
+        if self.tokenizer not in TOKENIZERS:
+            raise ConfigError("data.tokenizer", self.tokenizer, " | ".join(TOKENIZERS))
+        if not _is_int(self.vocab_size) or not MIN_BPE_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB:
+            raise ConfigError(
+                "data.vocab_size", self.vocab_size, f"integer in {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB}"
+            )
+        if not isinstance(self.val_sets, tuple) or not all(
+            isinstance(v, str) and v.strip() for v in self.val_sets
+        ):
+            raise ConfigError("data.val_sets", self.val_sets, "a tuple of corpus names or paths")
+        if not _is_int(self.val_tokens) or self.val_tokens < 1:
+            raise ConfigError("data.val_tokens", self.val_tokens, "integer >= 1")
+        if not isinstance(self.cache_dir, str):
+            raise ConfigError("data.cache_dir", self.cache_dir, "a directory path string ('' = default)")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ConfigError("data.seed", self.seed, "integer in 0..2**63-1")
+
+
+@dataclass
+class PreparedData:
+    """Tokenizer, memory-mapped train tokens, validation token arrays by name, and manifest info."""
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: dict[str, np.ndarray]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def _val_name(corpus: Corpus, spec: str, taken: set[str]) -> str:
+    name = spec if spec in REGISTRY else corpus.name
+    while name in taken:
+        name += "_user"
+    return name
+
+
+def _tokenizer_for(cfg: DataConfig, corpus: Corpus, cache: Path, progress: bool) -> Tokenizer:
+    if cfg.tokenizer == "bpe":
+        return load_or_train_bpe(corpus.split("train"), cfg.vocab_size, cache, progress=progress)
+    return get_pretrained_tokenizer(cfg.tokenizer)
+
+
+def _describe(tf: TokenFile) -> dict[str, Any]:
+    return {**tf.manifest, "path": str(tf.path), "built": tf.built, **tf.timings}
+
+
+def prepare_data(
+    cfg: DataConfig, *, seq_len: int, tokenizer: Tokenizer | None = None, progress: bool = False
+) -> PreparedData:
+    """Load, split, tokenize and cache everything the trainer needs (see module docstring).
+
+    ``tokenizer`` (e.g. restored from a checkpoint) is used as is instead of ``cfg.tokenizer``.
+    Raises ``DataError`` for unusable data, including a training split shorter than ``seq_len + 1``
+    tokens or a held-out split too short for one evaluation window.  Extra ``val_sets`` entries that
+    are registry corpora whose package is missing are skipped with a warning.
+    """
+    if not _is_int(seq_len) or seq_len < 1:
+        raise ConfigError("seq_len", seq_len, "integer >= 1")
+    if cfg.val_tokens < seq_len + 1:
+        raise ConfigError("data.val_tokens", cfg.val_tokens, f"integer >= seq_len+1 = {seq_len + 1}")
+    cache = default_cache_dir(cfg.cache_dir)
+    t0 = time.perf_counter()
+    corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field)
+    load_s = time.perf_counter() - t0
+    if len(corpus.documents) < 2:
+        raise DataError(
+            f"corpus {cfg.corpus!r}: only {len(corpus.documents)} document; need >= 2 to hold out a "
+            f"validation split (a text file is cut into ~4 KB documents at blank lines)"
+        )
+    t0 = time.perf_counter()
+    tok = tokenizer if tokenizer is not None else _tokenizer_for(cfg, corpus, cache, progress)
+    tok_s = time.perf_counter() - t0
+    train = load_or_build_tokens(cache, corpus.key, "train", corpus.split("train"), tok, progress=progress)
+    need = seq_len + 1
+    if len(train.tokens) < need:
+        raise DataError(
+            f"corpus {cfg.corpus!r}: training split has {len(train.tokens)} tokens ({tok.name}); "
+            f"one training sequence needs seq_len+1 = {need}"
+        )
+    own = load_or_build_tokens(cache, corpus.key, "val", corpus.split("val"), tok, max_tokens=cfg.val_tokens)
+    if len(own.tokens) < need:
+        raise DataError(
+            f"corpus {cfg.corpus!r}: validation split has {len(own.tokens)} tokens ({tok.name}); "
+            f"one evaluation window needs seq_len+1 = {need}"
+        )
+    own_name = _val_name(corpus, cfg.corpus, set())
+    val, val_info, skipped = {own_name: own.tokens}, {own_name: _describe(own)}, []
+    for spec in cfg.val_sets:
+        if spec == cfg.corpus:
+            continue
+        try:
+            extra = load_corpus(spec, jsonl_field=cfg.jsonl_field)
+        except CorpusUnavailableError as e:
+            warnings.warn(f"skipping validation set {spec!r}: {e}", stacklevel=2)
+            skipped.append(spec)
+            continue
+        split = "val" if spec in REGISTRY else "all"
+        docs = extra.split("val") if split == "val" else list(extra.documents)
+        tf = load_or_build_tokens(cache, extra.key, split, docs, tok, max_tokens=cfg.val_tokens)
+        name = _val_name(extra, spec, set(val))
+        if len(tf.tokens) < need:
+            warnings.warn(
+                f"skipping validation set {spec!r}: {len(tf.tokens)} tokens < seq_len+1 = {need}",
+                stacklevel=2,
+            )
+            skipped.append(spec)
+            continue
+        val[name], val_info[name] = tf.tokens, _describe(tf)
+    manifest = {
+        "corpus": cfg.corpus,
+        "corpus_key": corpus.key,
+        "corpus_source": corpus.source,
+        "n_documents": {s: len(d) for s, d in corpus.splits().items()},
+        "tokenizer": {
+            "name": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "fingerprint": tok.fingerprint,
+        },
+        "train": _describe(train),
+        "val": val_info,
+        "skipped_val_sets": skipped,
+        "timings": {"load_corpus_s": load_s, "tokenizer_s": tok_s},
+    }
+    log.info("data: train %d tokens, val %s", len(train.tokens), {k: len(v) for k, v in val.items()})
+    return PreparedData(tokenizer=tok, train=train.tokens, val=val, manifest=manifest)

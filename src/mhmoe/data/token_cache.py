@@ -1,0 +1,207 @@
+"""Tokenized documents cached on disk as flat token files with a JSON manifest.
+
+``<stem>.bin`` holds the token ids of the documents, each document followed by the EOS id, as raw
+little-endian ``uint16`` (vocab <= 65536) or ``uint32``; ``<stem>.json`` is the manifest:
+
+``format_version, corpus, split, source_hash, n_documents, tokenizer {name, fingerprint}, dtype,
+max_tokens, n_tokens, n_bytes, sha256``
+
+On load the manifest must match what the caller expects (same format version, corpus, split,
+source hash, tokenizer fingerprint, dtype and cap), the file size must equal ``n_tokens *
+itemsize`` and (for files up to :data:`VERIFY_MAX_BYTES`) its sha256 must match; otherwise the file
+is rebuilt, never reused.  Both files are written atomically (temporary file + ``os.replace``), the
+token file first, so an interrupted build leaves at worst a manifest that no longer matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mhmoe.data.documents import Document, source_hash
+from mhmoe.data.tokenizer import Tokenizer, atomic_write_bytes
+from mhmoe.errors import DataError
+
+CACHE_FORMAT_VERSION = 1
+VERIFY_MAX_BYTES = 512 * 2**20
+ENCODE_GROUP_CHARS = 1 << 20
+_MATCH_KEYS = ("format_version", "corpus", "split", "source_hash", "tokenizer", "dtype", "max_tokens")
+log = logging.getLogger(__name__)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (vocab_size <= 65536), else ``uint32``."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def default_cache_dir(cache_dir: str | os.PathLike[str] = "") -> Path:
+    """``cache_dir`` if given, else ``$MHMOE_CACHE``, else ``~/.cache/mhmoe``."""
+    if str(cache_dir):
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("MHMOE_CACHE", "")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mhmoe"
+
+
+@dataclass
+class TokenFile:
+    """A loaded token file: the memory-mapped ids, its manifest, and whether it was (re)built."""
+
+    tokens: np.ndarray
+    manifest: dict[str, Any]
+    path: Path
+    built: bool = False
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _open_tokens(path: Path, dtype: np.dtype, n_tokens: int) -> np.ndarray:
+    if n_tokens == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+def check_cached(bin_path: Path, expected: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """(manifest, "") if ``bin_path`` and its manifest are valid for ``expected``, else (None, reason)."""
+    man_path = bin_path.with_suffix(".json")
+    if not man_path.is_file() or not bin_path.is_file():
+        return None, "not cached"
+    try:
+        manifest = json.loads(man_path.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        return None, f"unreadable manifest ({e})"
+    if not isinstance(manifest, dict):
+        return None, "manifest is not a JSON object"
+    for key in _MATCH_KEYS:
+        if manifest.get(key) != expected[key]:
+            return None, f"manifest {key} changed ({manifest.get(key)!r} -> {expected[key]!r})"
+    itemsize = np.dtype(expected["dtype"]).itemsize
+    size = bin_path.stat().st_size
+    n_tokens = manifest.get("n_tokens")
+    if not isinstance(n_tokens, int) or size != n_tokens * itemsize or size != manifest.get("n_bytes"):
+        return None, f"token file size {size} bytes does not match manifest n_tokens={n_tokens!r}"
+    if size <= VERIFY_MAX_BYTES:
+        digest = hashlib.sha256(bin_path.read_bytes()).hexdigest()
+        if digest != manifest.get("sha256"):
+            return None, "token file checksum mismatch"
+    return manifest, ""
+
+
+def _encode_groups(documents: Sequence[Document]) -> list[list[Document]]:
+    groups: list[list[Document]] = [[]]
+    size = 0
+    for d in documents:
+        if size >= ENCODE_GROUP_CHARS:
+            groups.append([])
+            size = 0
+        groups[-1].append(d)
+        size += len(d.text)
+    return groups
+
+
+def build_token_file(
+    bin_path: Path,
+    documents: Sequence[Document],
+    tokenizer: Tokenizer,
+    expected: dict[str, Any],
+    *,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Tokenize ``documents`` (EOS after each) into ``bin_path``, stopping after ``max_tokens``;
+    documents are encoded in ~1 MB groups so a capped build only encodes what it needs."""
+    dtype = np.dtype(expected["dtype"])
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=bin_path.parent, prefix=f".{bin_path.name}.", suffix=".tmp")
+    h, n_tokens, n_docs = hashlib.sha256(), 0, 0
+    groups = _encode_groups(documents)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(documents), desc=f"tokenize {expected['corpus']}/{expected['split']}", unit="doc"
+        )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for group in groups:
+                if max_tokens is not None and n_tokens >= max_tokens:
+                    break
+                for ids in tokenizer.encode_batch([d.text for d in group]):
+                    ids.append(tokenizer.eos_id)
+                    if max_tokens is not None:
+                        ids = ids[: max_tokens - n_tokens]
+                    arr = np.asarray(ids, dtype=dtype)
+                    f.write(arr.tobytes())
+                    h.update(arr.tobytes())
+                    n_tokens += len(arr)
+                    n_docs += 1
+                    if max_tokens is not None and n_tokens >= max_tokens:
+                        break
+                if bar is not None:
+                    bar.update(len(group))
+        os.replace(tmp, bin_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest = dict(expected)
+    manifest.update(
+        n_tokens=n_tokens, n_bytes=n_tokens * dtype.itemsize, n_documents=n_docs, sha256=h.hexdigest()
+    )
+    atomic_write_bytes(bin_path.with_suffix(".json"), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    return manifest
+
+
+def load_or_build_tokens(
+    cache_dir: Path,
+    corpus_key: str,
+    split: str,
+    documents: Sequence[Document],
+    tokenizer: Tokenizer,
+    *,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> TokenFile:
+    """The token file for (corpus, split, tokenizer[, cap]), reused only if its manifest is valid.
+
+    File: ``<cache_dir>/tokens/<corpus_key>/<split>-<tokenizer>-<fingerprint[:12]>[-cap<N>].bin``.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"max_tokens={max_tokens}: must be >= 1")
+    dtype = token_dtype(tokenizer.vocab_size)
+    expected: dict[str, Any] = {
+        "format_version": CACHE_FORMAT_VERSION,
+        "corpus": corpus_key,
+        "split": split,
+        "source_hash": source_hash(documents),
+        "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint},
+        "dtype": dtype.str,
+        "max_tokens": max_tokens,
+    }
+    cap = f"-cap{max_tokens}" if max_tokens is not None else ""
+    stem = f"{split}-{tokenizer.name}-{tokenizer.fingerprint[:12]}{cap}"
+    bin_path = cache_dir / "tokens" / corpus_key / f"{stem}.bin"
+    manifest, reason = check_cached(bin_path, expected)
+    if manifest is not None:
+        return TokenFile(_open_tokens(bin_path, dtype, manifest["n_tokens"]), manifest, bin_path)
+    if reason != "not cached":
+        log.info("rebuilding %s: %s", bin_path, reason)
+    t0 = time.perf_counter()
+    manifest = build_token_file(
+        bin_path, documents, tokenizer, expected, max_tokens=max_tokens, progress=progress
+    )
+    elapsed = time.perf_counter() - t0
+    tokens = _open_tokens(bin_path, dtype, manifest["n_tokens"])
+    return TokenFile(tokens, manifest, bin_path, built=True, reason=reason, timings={"tokenize_s": elapsed})
