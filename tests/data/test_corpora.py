@@ -164,6 +164,6 @@ def test_chunk_text_paragraph_groups() -> None:
     chunks = chunk_text(text, 4096)
     assert len(chunks) > 5
     assert all(3000 < len(c) < 6000 for c in chunks[:-1])
-    assert "".join(chunks).split() == text.split()  # nothing lost, words intact
+    assert " ".join(chunks).split() == text.split()  # nothing lost, words intact
     words = chunk_text("one line " * 2000, 4096)  # no newlines: cut at spaces
     assert len(words) > 1 and all(set(c.split()) == {"one", "line"} for c in words)
