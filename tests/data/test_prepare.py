@@ -131,3 +131,26 @@ def test_prepare_default_kjv_bpe(tmp_path: Path) -> None:
         if name in data.val:
             assert len(data.val[name]) == 65536
     assert elapsed < 20
+
+
+def test_user_corpus_named_like_registry_gets_suffix(tmp_path: Path) -> None:
+    f = tmp_path / "kjv.txt"
+    f.write_text(TEXT)
+    cfg = DataConfig(corpus=str(f), tokenizer="byte", val_sets=(), cache_dir=str(tmp_path / "c"))
+    assert list(prepare_data(cfg, seq_len=16).val) == ["kjv_user"]
+
+
+def test_validation_split_too_short(tmp_path: Path) -> None:
+    from mhmoe.data.documents import assign_splits
+
+    d = tmp_path / "two"
+    d.mkdir()
+    names = ["a.txt", "b.txt"]
+    val_name = names[assign_splits(names).index("val")]
+    for n in names:
+        (d / n).write_text("short" if n == val_name else "long text " * 100)
+    cfg = DataConfig(corpus=str(d), tokenizer="byte", val_sets=(), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(
+        DataError, match=r"validation split has 6 tokens \(byte\); one evaluation window needs"
+    ):
+        prepare_data(cfg, seq_len=16)

