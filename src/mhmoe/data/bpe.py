@@ -41,7 +41,7 @@ class BPETokenizer(Tokenizer):
         try:  # a literal "<|endoftext|>" in the input is ordinary text (tokenizers >= 0.15.1)
             hf.encode_special_tokens = True
         except AttributeError:
-            log.warning("tokenizers %s: literal %s in text will encode as EOS", tokenizers.__version__, EOS_TEXT)
+            log.warning("tokenizers %s: a literal %s will encode as EOS", tokenizers.__version__, EOS_TEXT)
         self._hf = hf
         self._json = hf.to_str()
         self.name = name
