@@ -132,9 +132,29 @@ class MoEConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], prefix: str = "moe") -> MoEConfig:
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"{prefix}.{key}", d[key], "one of " + ", ".join(sorted(known)))
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any], prefix: str = "model.moe") -> MoEConfig:
+        return cls(**coerce_fields(cls, d, prefix))
+
+
+def coerce_fields(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Check the keys of ``d`` against dataclass ``cls`` and coerce YAML scalars to the field types
+    (YAML reads ``1e-3`` as a string and ``2`` as an int where a float is expected)."""
+    if not isinstance(d, dict):
+        raise ConfigError(prefix, d, "a mapping")
+    by_name = {f.name: f for f in fields(cls)}
+    out = dict(d)
+    for key, value in d.items():
+        if key not in by_name:
+            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(by_name)))
+        f = by_name[key]
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if kind.startswith("float") and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"{prefix}.{key}", value, "a number") from None
+        elif kind == "int" and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)
+        elif kind == "int" and isinstance(value, str):
+            raise ConfigError(f"{prefix}.{key}", value, "an integer")
+    return out

@@ -68,6 +68,6 @@ def sorted_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     S, K = route.experts.shape
     order, _, counts = sort_slots(route.experts, route.valid, experts.n_experts)
     rows = experts.forward_sorted(x[order // K], counts)  # [N, D_in]
-    slots = x.new_zeros(S * K, x.shape[1])
+    slots = rows.new_zeros(S * K, x.shape[1])  # rows' dtype: bf16 under autocast
     slots[order] = rows
-    return (slots.view(S, K, -1) * route.weights.to(x.dtype)[:, :, None]).sum(1)
+    return (slots.view(S, K, -1) * route.weights.to(rows.dtype)[:, :, None]).sum(1)

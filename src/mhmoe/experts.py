@@ -72,11 +72,12 @@ class GroupedExperts(nn.Module):
         x_sorted: [N, D_in] rows grouped by expert (expert 0 first); counts: E python ints summing
         to N. Returns [N, D_in]. Empty experts cost nothing.
         """
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                outs.append(self.expert_forward(e, x_sorted[start:start + c]))
-            start += c
+        # unbind once: its backward stacks the per-expert gradients in one allocation, whereas
+        # indexing w[e] per expert would materialise a full-size zero gradient per expert (O(E^2)).
+        params = [None if t is None else t.unbind(0) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)]
+        # torch.split for the same reason: slicing per expert would backprop a full-size zero per slice.
+        outs = [ffn_forward(rows, *[None if t is None else t[e] for t in params])
+                for e, rows in enumerate(torch.split(x_sorted, counts)) if counts[e]]
         if not outs:
             return x_sorted.new_zeros(x_sorted.shape)
         return torch.cat(outs, 0)

@@ -18,11 +18,12 @@ from mhmoe.routers import RouterOutput
 
 def loop_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
     """x: [S, D_in] -> [S, D_in]: out[s] = sum over valid slots k of w[s,k] * Expert_{e[s,k]}(x[s])."""
-    out = torch.zeros_like(x)
+    out = None
     for e in range(experts.n_experts):
         tok, slot = torch.nonzero((route.experts == e) & route.valid, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = experts.expert_forward(e, x[tok])
-        out = out.index_add(0, tok, y * route.weights[tok, slot, None].to(x.dtype))
-    return out
+        y = experts.expert_forward(e, x[tok])  # bf16 under autocast
+        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device) if out is None else out
+        out = out.index_add(0, tok, y * route.weights[tok, slot, None].to(y.dtype))
+    return torch.zeros_like(x) if out is None else out
