@@ -56,6 +56,7 @@ class ModelConfig:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ConfigError("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} giving an even head dim")
         _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        _check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
         self.moe.check_d_model(self.d_model, "d_model")
 
     def is_moe_block(self, i: int) -> bool:
@@ -68,10 +69,21 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a dict (YAML / ``--set``); errors name the dotted field (``model.moe.top_k``)."""
         d = coerce_fields(cls, d, "model")
         if isinstance(d.get("moe"), dict):
-            d["moe"] = MoEConfig.from_dict(d["moe"])
-        return cls(**d)
+            try:
+                d["moe"] = MoEConfig.from_dict(d["moe"])
+            except ConfigError as e:
+                raise _dotted(e, "model.moe") from None
+        try:
+            return cls(**d)
+        except ConfigError as e:  # check_d_model reports the MoE field "heads"
+            raise _dotted(e, "model.moe" if e.field == "heads" else "model") from None
+
+
+def _dotted(e: ConfigError, prefix: str) -> ConfigError:
+    return e if "." in e.field else ConfigError(f"{prefix}.{e.field}", e.value, e.allowed)
 
 
 @dataclass
