@@ -61,6 +61,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "ckpt_every", "threads", "max_nan_skips"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 0, f"train.{name}", v, "an integer >= 0")
+        _check(isinstance(self.compile, bool), "train.compile", self.compile, "true | false")
         _check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         _check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))
@@ -122,7 +123,11 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> RunConfig:
-        return cls.from_dict(yaml.safe_load(text))
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", type(exc).__name__, "valid YAML (" + " ".join(str(exc).split()) + ")") from None
+        return cls.from_dict(d)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -143,5 +148,8 @@ class RunConfig:
                 node = node[p]
             if parts[-1] not in node:
                 raise ConfigError(key, raw, "one of " + ", ".join(sorted(node)))
-            node[parts[-1]] = yaml.safe_load(raw)
+            try:
+                node[parts[-1]] = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(key, raw, "a YAML scalar, e.g. 1e-3, 4, true, cosine") from None
         return RunConfig.from_dict(d)
