@@ -21,7 +21,7 @@ def _load_run(args: argparse.Namespace):
     sets = list(args.set or [])
     if getattr(args, "data", None):
         sets.append(f"data.corpus={args.data}")
-    if getattr(args, "max_steps", None):
+    if getattr(args, "max_steps", None) is not None:  # --max-steps 0 is an error, not "use the default"
         sets.append(f"train.max_steps={args.max_steps}")
     return run.with_overrides(sets) if sets else run
 
