@@ -104,18 +104,20 @@ class TrainResult:
 
 
 class _Metrics:
-    """metrics.jsonl (+ TensorBoard when available) writer; on resume, drops lines past the step."""
+    """metrics.jsonl / eval.jsonl (+ TensorBoard when available) writer; a fresh run empties both
+    files, a resumed one drops their lines past the resume step (logged after that checkpoint)."""
 
     def __init__(self, run_dir: Path, resume_step: int | None) -> None:
         self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text(encoding="utf-8").splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-            os.replace(tmp, self.path)
-        elif resume_step is None:
-            self.path.write_text("", encoding="utf-8")
+        for path in (self.path, run_dir / "eval.jsonl"):
+            if resume_step is not None and path.exists():
+                keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+                os.replace(tmp, path)
+            elif resume_step is None:
+                path.write_text("", encoding="utf-8")
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
