@@ -1,0 +1,302 @@
+"""Training loop: overfitting one batch, bit-exact resume on CPU, NaN-step skipping, and refusing to
+overwrite a run directory. Every run is a ~50k-parameter model on a tiny byte-level corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhmoe.checkpoint import list_checkpoints, load_latest
+from mhmoe.config import MoEConfig
+from mhmoe.data import BatchSampler, DataConfig
+from mhmoe.errors import ConfigError
+from mhmoe.model import LM, ModelConfig
+from mhmoe.runconfig import RunConfig, TrainConfig
+from mhmoe.train import build_optimizer, train
+
+DENSE = MoEConfig(kind="dense", d_expert=64)
+SMOE = MoEConfig(n_experts=4, top_k=1, d_expert=64)
+MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
+NOISY_MH = MoEConfig(n_experts=6, top_k=2, d_expert=16, heads=3, head_layer=True, merge_layer=True, router="noisy")
+WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
+
+
+@pytest.fixture(autouse=True)
+def _cache_env_and_threads(tmp_path, monkeypatch):
+    """Keep caches in tmp_path; train.threads=1 below sets torch's global thread count: restore it."""
+    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_corpus(root: Path, n_docs: int = 12, n_words: int = 250) -> Path:
+    """A directory of small text files (one document each), deterministic."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n")
+    return root
+
+
+def tiny_run(tmp_path: Path, moe: MoEConfig = MHMOE, **train_kw) -> RunConfig:
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        write_corpus(corpus)
+    t = dict(max_steps=6, batch_size=4, seq_len=32, log_every=1, eval_batches=2, warmup_steps=2, lr=1e-3,
+             dtype="float32", device="cpu", threads=1)
+    t.update(train_kw)
+    return RunConfig(
+        name="tiny-test",
+        model=ModelConfig(vocab_size=0, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, moe=moe),
+        train=TrainConfig(**t),
+        data=DataConfig(corpus=str(corpus), tokenizer="byte", val_sets=(), val_tokens=512,
+                        cache_dir=str(tmp_path / "cache")),
+    )
+
+
+def records(run_dir: Path, file: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(ln) for ln in (Path(run_dir) / file).read_text().splitlines() if ln.strip()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir)]
+
+
+# ---- overfitting ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("moe", [DENSE, SMOE, MHMOE], ids=["dense", "smoe", "mhmoe"])
+def test_tiny_model_overfits_one_batch(moe):
+    """Repeated AdamW steps on one fixed batch of random tokens: loss from ~log(64) to < 0.25 nats."""
+    V, bound = 64, 0.25
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and robust to a busy machine
+    model = LM(ModelConfig(vocab_size=V, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, moe_every=1,
+                           moe=moe))
+    opt = build_optimizer(model, TrainConfig(lr=3e-3, weight_decay=0.0))
+    batch = torch.randint(0, V, (4, 33))
+    x, y = batch[:, :-1], batch[:, 1:]
+    first = last = None
+    for _ in range(200):
+        out = model(x, y)
+        (out.loss + out.aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        last = out.loss.item()
+        first = last if first is None else first
+        if last < bound:
+            break
+    assert abs(first - math.log(V)) < 0.3
+    assert last < bound, f"{moe.kind}/heads={moe.heads}: loss {last:.3f} after 200 steps"
+
+
+def test_training_loop_overfits_fixed_batch(tmp_path, monkeypatch):
+    """The full train() loop (scheduler, clipping, aux loss, balance step) drives an MH-MoE model's LM
+    loss on one repeated batch far below its start."""
+    original, fixed = BatchSampler.get_batch, {}
+
+    def one_batch(self, step, micro=0):
+        if not fixed:
+            fixed["xy"] = original(self, 0, 0)
+        return fixed["xy"]
+
+    monkeypatch.setattr(BatchSampler, "get_batch", one_batch)
+    run = tiny_run(tmp_path, MHMOE, max_steps=80, lr=5e-3, warmup_steps=0, schedule="constant", weight_decay=0.0,
+                   log_every=1)
+    train(run, tmp_path / "run", progress=False)
+    ls = losses(tmp_path / "run")
+    assert len(ls) == 80
+    assert ls[0] > 5.0 and ls[-1] < 0.5, ls[::10]  # from ~log(257) nats
+
+
+# ---- bit-exact resume ---------------------------------------------------------------------------------
+def _assert_same_run(a: Path, b: Path) -> None:
+    ra, rb = records(a), records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # bit-exact, not approx
+    timing = {"tokens_per_s"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in ra] == \
+           [{k: v for k, v in r.items() if k not in timing} for r in rb]
+    assert records(a, "eval.jsonl") == records(b, "eval.jsonl")
+    wa, wb = load_latest(a).model.state_dict(), load_latest(b).model.state_dict()
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.mark.parametrize(
+    "moe, extra",
+    [
+        (MHMOE, {}),
+        (NOISY_MH, dict(grad_accum=2)),  # the noisy router draws from the global RNG every step
+        (MoEConfig(n_experts=4, top_k=2, d_expert=32, aux_free_bias=True), dict(ckpt_every=2, eval_every=2)),
+    ],
+    ids=["mhmoe", "noisy-mhmoe-accum", "auxfree-bias-ckpt-eval"],
+)
+def test_resume_is_bit_exact(tmp_path, moe, extra):
+    run = tiny_run(tmp_path, moe, **extra)
+    full, split = tmp_path / "full", tmp_path / "split"
+    res_full = train(run, full, progress=False)
+    first = train(run, split, progress=False, stop_after=3)
+    assert first.step == 3 and len(records(split)) == 3
+    assert list_checkpoints(split)[-1].name == "step_00000003"
+    res_split = train(run, split, resume=True, progress=False)
+    assert res_full.step == res_split.step == 6
+    _assert_same_run(full, split)
+    assert res_full.eval == res_split.eval
+
+
+def test_noisy_router_really_uses_the_rng(tmp_path):
+    """Guards the noisy resume case above: a different seed gives different losses."""
+    a = train(tiny_run(tmp_path, NOISY_MH, max_steps=2), tmp_path / "a", progress=False)
+    b = train(tiny_run(tmp_path, NOISY_MH, max_steps=2, seed=7), tmp_path / "b", progress=False)
+    assert a.step == b.step == 2
+    assert losses(tmp_path / "a") != losses(tmp_path / "b")
+
+
+def test_resume_after_a_crash_falls_back_and_trims_logs(tmp_path):
+    """A run killed after its step-4 checkpoint but before step 5's was saved: resuming from step 4
+    drops the metrics/eval lines logged after it and reproduces the uninterrupted run exactly."""
+    run = tiny_run(tmp_path, MHMOE, ckpt_every=2, eval_every=1, keep_last=3)
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    train(run, full, progress=False)
+    train(run, crashed, progress=False, stop_after=5)
+    newest = list_checkpoints(crashed)[-1]
+    assert newest.name == "step_00000005"
+    shutil.rmtree(newest)  # the crash: step 5 was logged, never checkpointed
+    assert [r["step"] for r in records(crashed, "eval.jsonl")] == [1, 2, 3, 4, 5]
+    train(run, crashed, resume=True, progress=False)
+    _assert_same_run(full, crashed)
+    assert [r["step"] for r in records(crashed, "eval.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_keyboard_interrupt_saves_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    run = tiny_run(tmp_path, MHMOE)
+    train(run, tmp_path / "full", progress=False)
+    original = BatchSampler.get_batch
+
+    def interrupt_at_3(self, step, micro=0):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(self, step, micro)
+
+    monkeypatch.setattr(BatchSampler, "get_batch", interrupt_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, tmp_path / "int", progress=False)
+    assert "checkpoint saved at step 3" in capsys.readouterr().err
+    assert [p.name for p in list_checkpoints(tmp_path / "int")] == ["step_00000003"]
+    monkeypatch.setattr(BatchSampler, "get_batch", original)
+    train(run, tmp_path / "int", resume=True, progress=False)
+    _assert_same_run(tmp_path / "full", tmp_path / "int")
+
+
+def test_resume_without_checkpoints_starts_fresh_and_finished_run_is_a_no_op(tmp_path):
+    run = tiny_run(tmp_path, SMOE, max_steps=3)
+    res = train(run, tmp_path / "r", resume=True, progress=False)
+    assert res.step == 3
+    before = losses(tmp_path / "r")
+    again = train(run, tmp_path / "r", resume=True, progress=False)
+    assert again.step == 3 and losses(tmp_path / "r") == before
+    assert [p.name for p in list_checkpoints(tmp_path / "r")] == ["step_00000003"]
+
+
+def test_resume_can_extend_max_steps(tmp_path):
+    train(tiny_run(tmp_path, SMOE, max_steps=3), tmp_path / "r", progress=False)
+    res = train(tiny_run(tmp_path, SMOE, max_steps=5), tmp_path / "r", resume=True, progress=False)
+    assert res.step == 5
+    assert [r["step"] for r in records(tmp_path / "r")] == [1, 2, 3, 4, 5]
+
+
+# ---- outputs ------------------------------------------------------------------------------------------
+def test_run_directory_outputs(tmp_path):
+    run = tiny_run(tmp_path, MHMOE, ckpt_every=2, keep_last=2)
+    res = train(run, tmp_path / "r", progress=False)
+    d = tmp_path / "r"
+    recs = records(d)
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for r in recs:
+        assert math.isfinite(r["loss"]) and r["nan_skips"] == 0 and r["tokens"] == r["step"] * 4 * 32
+        assert {"aux_loss", "lr", "grad_norm", "load_imbalance", "experts_used_frac", "dropped_frac"} <= set(r)
+    assert recs[0]["lr"] == pytest.approx(0.5e-3) and recs[1]["lr"] == pytest.approx(1e-3)
+    ev = records(d, "eval.jsonl")
+    assert [e["step"] for e in ev] == [6] and ev[0]["corpus_ppl"] == pytest.approx(math.exp(ev[0]["corpus_loss"]))
+    summary = json.loads((d / "results.json").read_text())
+    assert summary["step"] == 6 and summary["params"] == res.params > 0
+    assert summary["fwd_flops_per_token"] > 0 and set(summary["eval"]) == {"corpus"}
+    assert [p.name for p in list_checkpoints(d)] == ["step_00000004", "step_00000006"]  # keep_last=2
+    assert not list((d / "checkpoints").glob(".tmp-*"))
+    saved = RunConfig.load(d / "config.yaml")
+    assert saved.model.vocab_size == 257  # filled in from the byte tokenizer
+
+
+# ---- non-finite losses ----------------------------------------------------------------------------------
+def _nan_on_calls(monkeypatch, bad_calls: set[int]):
+    """Make LM.forward return a NaN training loss on the given (0-based) training-forward calls."""
+    original = LM.forward
+    calls = {"n": 0}
+
+    def forward(self, idx, targets=None, *args, **kwargs):
+        out = original(self, idx, targets, *args, **kwargs)
+        if targets is not None and self.training:
+            if calls["n"] in bad_calls:
+                out.loss = out.loss * float("nan")
+            calls["n"] += 1
+        return out
+
+    monkeypatch.setattr(LM, "forward", forward)
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path, monkeypatch, capsys):
+    _nan_on_calls(monkeypatch, {1, 2})
+    res = train(tiny_run(tmp_path, MHMOE, max_nan_skips=2), tmp_path / "r", progress=False)
+    assert res.step == 6 and res.nan_skips == 2
+    recs = records(tmp_path / "r")
+    assert [r["step"] for r in recs] == [1, 4, 5, 6]  # steps 2 and 3 were skipped
+    assert all(math.isfinite(r["loss"]) for r in recs) and recs[-1]["nan_skips"] == 2
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "non-finite loss" in ln]
+    assert len(warnings) == 2 and "step skipped" in warnings[0]
+    assert load_latest(tmp_path / "r").step == 6
+
+
+def test_consecutive_nan_steps_stop_the_run(tmp_path, monkeypatch, capsys):
+    _nan_on_calls(monkeypatch, set(range(1, 100)))
+    with pytest.raises(RuntimeError, match=r"max_nan_skips=3"):
+        train(tiny_run(tmp_path, MHMOE, max_steps=20, max_nan_skips=3), tmp_path / "r", progress=False)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "non-finite" in ln]
+    assert len(err) == 4  # 3 skipped, the 4th in a row stops
+    assert list_checkpoints(tmp_path / "r") == []  # nothing saved from a diverged run
+
+
+def test_huge_lr_diverges_and_stops_without_saving(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="non-finite"):
+        train(tiny_run(tmp_path, MHMOE, max_steps=20, lr=1e30, warmup_steps=0, max_nan_skips=2), tmp_path / "r",
+              progress=False)
+    assert list_checkpoints(tmp_path / "r") == []
+    assert "non-finite loss" in capsys.readouterr().err
+
+
+# ---- refusing to overwrite ---------------------------------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_refuses_a_run_directory_with_checkpoints(tmp_path):
+    run = tiny_run(tmp_path, SMOE, max_steps=2)
+    train(run, tmp_path / "r", progress=False)
+    before = _snapshot(tmp_path / "r")
+    with pytest.raises(ConfigError, match="--resume") as info:
+        train(tiny_run(tmp_path, MHMOE, max_steps=4), tmp_path / "r", progress=False)
+    assert info.value.field == "--out"
+    assert _snapshot(tmp_path / "r") == before  # nothing overwritten, not even metrics.jsonl
+
+
+def test_training_is_deterministic(tmp_path):
+    run = tiny_run(tmp_path, NOISY_MH, max_steps=3)
+    train(run, tmp_path / "a", progress=False)
+    train(run, tmp_path / "b", progress=False)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
