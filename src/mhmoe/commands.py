@@ -210,5 +210,42 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare]
+# ---- bench -----------------------------------------------------------------------------------------
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (moe: MoE layer paths vs masked loop vs same-FLOPs dense FFN)")
+    p.add_argument("what", choices=["moe"], help="which benchmark")
+    p.add_argument("--configs", nargs="+", default=["smoe", "fgmoe", "mh2", "mh3"],
+                   help="smoe fgmoe mh2 mh3 (the v2 paper's parity models at d=768)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
+    p.add_argument("--peers", action="store_true", help="also time installable peer libraries")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from mhmoe.bench import CONFIGS, DTYPES, format_rows, run_benchmark
+    from mhmoe.train import resolve_device
+
+    bad = [c for c in args.configs if c not in CONFIGS] + [d for d in args.dtypes if d not in DTYPES]
+    if bad or args.tokens < 1 or args.repeats < 1:
+        raise ConfigError("bench", bad or (args.tokens, args.repeats),
+                          f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
+    device = resolve_device(args.device)
+    result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
+                           with_loop=not args.no_loop, peers=args.peers,
+                           progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(format_rows(result))
+    return 0
+
+
+PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare, _add_bench]
 __all__ = ["PARSER_BUILDERS", "format_table", "CheckpointError"]

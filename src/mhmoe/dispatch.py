@@ -3,12 +3,16 @@
 Shape legend: S routed (sub-)tokens, K slots per token, E experts, D_in expert width,
 N = number of valid (token, slot) pairs (N <= S*K).
 
-Two execution paths over the same :class:`~mhmoe.routers.RouterOutput`:
+Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.impl``):
 
-- :func:`sorted_moe` -- the default: a stable argsort of the slots by expert gives each expert a
-  contiguous block of rows; rows are gathered once, each expert runs on its block, outputs are
-  scattered back to slot order and combined with a weighted sum over the K slots (no atomics).
-- :func:`loop_moe` (in :mod:`mhmoe.reference`) -- the per-expert masked loop, the oracle.
+- ``sorted`` (:func:`sorted_moe`): a stable argsort of the slots by expert gives each expert a
+  contiguous block of rows; rows are gathered once, each expert runs its GEMMs on its block (a
+  Python loop over experts, one host sync for the block sizes), outputs are scattered back to slot
+  order and combined with a weighted sum over the K slots (no atomics).
+- ``grouped_mm`` (:func:`grouped_moe`): the same grouping, but all experts' GEMMs run in one
+  ``torch._grouped_mm`` call per matrix with device-side offsets -- no host synchronisation.
+- ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
+- ``auto``: :func:`choose_impl` picks by device/dtype from the measurements in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mhmoe.experts import GroupedExperts
+from mhmoe.reference import loop_moe
 from mhmoe.routers import RouterOutput
 
 
@@ -65,9 +70,51 @@ def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, 
 
 def sorted_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
     """Dropless grouped dispatch. x: [S, D_in] -> [S, D_in] = sum_k w[s,k] * Expert_{e[s,k]}(x[s])."""
-    S, K = route.experts.shape
+    K = route.experts.shape[1]
     order, _, counts = sort_slots(route.experts, route.valid, experts.n_experts)
     rows = experts.forward_sorted(x[order // K], counts)  # [N, D_in]
-    slots = rows.new_zeros(S * K, x.shape[1])  # rows' dtype: bf16 under autocast
+    return _combine(rows, order, route)
+
+
+def _combine(rows: Tensor, order: Tensor, route: RouterOutput) -> Tensor:
+    """Scatter expert outputs [N, D] back to slot order and sum the K slots with their weights."""
+    S, K = route.experts.shape
+    slots = rows.new_zeros(S * K, rows.shape[1])  # rows' dtype: bf16 under autocast
     slots[order] = rows
     return (slots.view(S, K, -1) * route.weights.to(rows.dtype)[:, :, None]).sum(1)
+
+
+def grouped_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """Dropless grouped GEMM dispatch (``torch._grouped_mm``), no device-to-host sync."""
+    S, K = route.experts.shape
+    E = experts.n_experts
+    key = torch.where(route.valid, route.experts, E).reshape(-1)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    offsets = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0).to(torch.int32)
+    live = (sorted_key < E)[:, None]
+    # rows past offsets[-1] (invalid slots) are not computed: their outputs, and their input gradients
+    # in the backward, are undefined memory -- torch.where on both sides discards them (a select, so
+    # even NaN garbage cannot leak).
+    xs = torch.where(live, x[order // K], 0)
+    rows = torch.where(live, experts.forward_grouped(xs, offsets, torch.where(live[:, 0], sorted_key, -1)), 0)
+    return _combine(rows, order, route)
+
+
+def grouped_mm_supported(x: Tensor, experts: GroupedExperts) -> bool:
+    """torch._grouped_mm exists and the row strides are 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    item = x.element_size() if x.dtype == experts.w1.dtype else max(x.element_size(), experts.w1.element_size())
+    return all((n * item) % 16 == 0 for n in (experts.d_in, experts.d_hidden))
+
+
+def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
+    """The dispatch function for ``impl`` (``auto`` resolves by device and dtype)."""
+    if impl == "loop":
+        return loop_moe
+    if impl == "grouped_mm":
+        return grouped_moe
+    if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
+        return grouped_moe
+    return sorted_moe

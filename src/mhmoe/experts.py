@@ -82,6 +82,33 @@ class GroupedExperts(nn.Module):
             return x_sorted.new_zeros(x_sorted.shape)
         return torch.cat(outs, 0)
 
+    def forward_grouped(self, x_sorted: Tensor, offsets: Tensor, expert_of_row: Tensor | None = None) -> Tensor:
+        """Grouped-GEMM version of :meth:`forward_sorted` with ``torch._grouped_mm``.
+
+        offsets: [E] int32 cumulative row counts (end of each expert's block), on the device -- no
+        host synchronisation. Rows past ``offsets[-1]`` are not computed (their output is undefined;
+        the caller masks them). ``expert_of_row`` [N] (-1 for rows past the end) is needed only for
+        biases.
+        """
+        gmm = torch._grouped_mm
+        if self.b1 is not None:
+            assert expert_of_row is not None, "biased experts need expert_of_row"
+            live = (expert_of_row >= 0)[:, None]
+            idx = expert_of_row.clamp_min(0)
+            bias = lambda b: torch.where(live, b[idx], 0)  # noqa: E731 -- select: no gradient to dead rows
+        h = gmm(x_sorted, self.w1, offs=offsets)
+        if self.b1 is not None:
+            h = h + bias(self.b1)
+        if self.w3 is None:
+            h = F.relu(h)
+        else:
+            g = gmm(x_sorted, self.w3, offs=offsets)
+            if self.b3 is not None:
+                g = g + bias(self.b3)
+            h = F.silu(h) * g
+        y = gmm(h, self.w2, offs=offsets)
+        return y + bias(self.b2) if self.b2 is not None else y
+
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, d_in={self.d_in}, d_hidden={self.d_hidden}, ffn={self.ffn}"
 

@@ -27,11 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from mhmoe.config import MoEConfig
-from mhmoe.dispatch import apply_capacity, expert_capacity, sorted_moe
+from mhmoe.dispatch import apply_capacity, choose_impl, expert_capacity
 from mhmoe.errors import ConfigError
 from mhmoe.experts import DenseFFN, GroupedExperts, SharedExperts
 from mhmoe.losses import entropy_loss, load_balancing_loss, router_z_loss
-from mhmoe.reference import loop_moe
 from mhmoe.routers import RouterOutput, build_router
 
 
@@ -120,8 +119,7 @@ class MoELayer(nn.Module):
         if cap is not None:
             route.valid = apply_capacity(route.experts, route.valid, cap, self.cfg.n_experts)
             route.weights = route.weights * route.valid
-        run = loop_moe if self.cfg.impl == "loop" else sorted_moe
-        out = run(xs, route, self.experts)
+        out = choose_impl(self.cfg.impl, xs, self.experts)(xs, route, self.experts)
         if self.shared is not None:
             sh = self.shared(xs)
             out = out + (sh if tmask is None else sh * tmask[:, None].to(sh.dtype))
