@@ -1,0 +1,275 @@
+"""CLI smoke tests through ``mhmoe.cli.main``: train (from a YAML config), resume, eval, generate and
+compare on a tiny model; bad input exits 2 with a one-line message on stderr."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhmoe.cli import main
+from mhmoe.config import MoEConfig
+from mhmoe.data import DataConfig
+from mhmoe.model import ModelConfig
+from mhmoe.runconfig import RunConfig, TrainConfig
+
+WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
+
+
+@pytest.fixture(autouse=True)
+def _cache_env_and_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_corpus(root: Path, n_docs: int = 12, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(250)) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A corpus directory, an extra validation file and a tiny MH-MoE YAML config."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = _write_corpus(root / "corpus")
+    extra = root / "psalms.txt"
+    rng = random.Random(1)
+    extra.write_text(" ".join(rng.choice(WORDS) for _ in range(300)) + "\n")
+    run = RunConfig(
+        name="tiny-cli",
+        model=ModelConfig(vocab_size=0, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64,
+                          moe=MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True,
+                                        merge_layer=True)),
+        train=TrainConfig(max_steps=100, batch_size=4, seq_len=32, log_every=1, eval_batches=2, warmup_steps=1,
+                          lr=1e-3, dtype="float32", device="cpu", threads=1, ckpt_every=0),
+        data=DataConfig(corpus=str(corpus), tokenizer="byte", val_sets=(str(extra),), val_tokens=512,
+                        cache_dir=str(root / "cache")),
+    )
+    config = root / "tiny.yaml"
+    config.write_text(run.to_yaml())
+    return {"root": root, "corpus": corpus, "config": config}
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    """`mhmoe train --config tiny.yaml --out RUN --max-steps 4` (run once for the module)."""
+    out = setup["root"] / "run"
+    threads = torch.get_num_threads()
+    rc = main(["train", "--config", str(setup["config"]), "--out", str(out), "--max-steps", "4", "--no-progress"])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    return out
+
+
+def _one_line_error(capsys, prefix: str = "mhmoe ") -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(prefix), err
+    return err
+
+
+# ---- train / eval / generate ------------------------------------------------------------------------------------
+def test_train_writes_the_run(trained):
+    summary = json.loads((trained / "results.json").read_text())
+    assert summary["preset"] == "tiny-cli" and summary["step"] == 4
+    assert set(summary["eval"]) == {"corpus", "psalms"}
+    assert len((trained / "metrics.jsonl").read_text().splitlines()) == 4
+    assert (trained / "checkpoints" / "step_00000004" / "meta.json").is_file()
+    assert RunConfig.load(trained / "config.yaml").train.max_steps == 4  # --max-steps applied
+
+
+def test_train_json_summary_and_set_overrides(setup, tmp_path, capsys):
+    out = tmp_path / "r"
+    rc = main(["train", "--config", str(setup["config"]), "--out", str(out), "--max-steps", "2", "--no-progress",
+               "--set", "train.lr=2e-3", "--set", "model.moe.top_k=2", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 2 and summary["params"] > 0 and "psalms" in summary["eval"]
+    saved = RunConfig.load(out / "config.yaml")
+    assert saved.train.lr == 2e-3 and saved.model.moe.top_k == 2
+
+
+def test_train_data_flag_overrides_the_corpus(setup, tmp_path, capsys):
+    other = _write_corpus(tmp_path / "other", n_docs=6, seed=5)
+    rc = main(["train", "--config", str(setup["config"]), "--out", str(tmp_path / "r"), "--max-steps", "1",
+               "--data", str(other), "--no-progress"])
+    assert rc == 0
+    assert RunConfig.load(tmp_path / "r" / "config.yaml").data.corpus == str(other)
+    assert "step 1" in capsys.readouterr().out
+
+
+def test_train_refuses_existing_run_then_resumes(setup, trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = (run / "metrics.jsonl").read_text()
+    argv = ["train", "--config", str(setup["config"]), "--out", str(run), "--max-steps", "6", "--no-progress"]
+    assert main(argv) == 2
+    assert "--resume" in _one_line_error(capsys, "mhmoe train: error:")
+    assert (run / "metrics.jsonl").read_text() == before
+    assert main(argv + ["--resume"]) == 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[:4] == before.splitlines()
+
+
+def test_eval_json(trained, capsys):
+    assert main(["eval", "--checkpoint", str(trained), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["step"] == 4 and res["checkpoint"].endswith("step_00000004")
+    assert set(res["eval"]) == {"corpus", "psalms"}
+    for r in res["eval"].values():
+        assert 1 < r["ppl"] < 257 and r["tokens"] > 0
+    results = json.loads((trained / "results.json").read_text())
+    for name, r in res["eval"].items():  # same windows as the end-of-training evaluation
+        assert r["loss"] == pytest.approx(results["eval"][name]["loss"], rel=1e-5)
+
+
+def test_eval_text_and_batches(trained, capsys):
+    ckpt = trained / "checkpoints" / "step_00000004"
+    assert main(["eval", "--checkpoint", str(ckpt), "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 4" in out and "psalms" in out and "ppl" in out
+
+
+def test_generate(trained, capsys):
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "In the beginning", "--max-new-tokens", "5"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("In the beginning")
+    assert main(argv + ["--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main(argv + ["--temperature", "0"]) == 0
+    assert capsys.readouterr().out == greedy  # greedy is deterministic
+    assert main(argv + ["--seed", "3"]) == 0 and main(argv + ["--seed", "3"]) == 0
+    a, b = capsys.readouterr().out.splitlines()[:2]
+    assert a == b  # seeded sampling is reproducible
+
+
+# ---- bad input: exit 2, one line on stderr ------------------------------------------------------------------------
+@pytest.fixture
+def bad_files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "bad.yaml").write_text("model: [\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--data", "{tmp}/missing.txt"], "no such file"),
+        (["--data", "{tmp}/empty.txt"], "empty"),
+        (["--data", "{tmp}/binary.txt"], "binary"),
+        (["--set", "train.lrr=1e-3"], "train.lrr"),
+        (["--set", "train.lr=-1"], "train.lr"),
+        (["--set", "train.lr"], "key=value"),
+        (["--set", "train.lr=[1"], "train.lr"),
+        (["--set", "model.n_heads=5"], "model.n_heads"),
+        (["--set", "model.moe.top_k=99"], "model.moe.top_k"),
+        (["--set", "data.tokenizer=nope"], "data.tokenizer"),
+        (["--max-steps", "0"], "train.max_steps"),
+    ],
+)
+def test_train_bad_input_exits_2(setup, bad_files, tmp_path, capsys, args, needle):
+    out = tmp_path / "out"
+    args = [a.replace("{tmp}", str(bad_files)) for a in args]
+    rc = main(["train", "--config", str(setup["config"]), "--out", str(out), "--no-progress", *args])
+    assert rc == 2
+    err = _one_line_error(capsys, "mhmoe train: error:")
+    assert needle in err
+    assert not out.exists()  # nothing was created
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--preset", "tiny-nope", "--out", "{tmp}/o"], "preset"),
+        (["train", "--config", "{tmp}/missing.yaml", "--out", "{tmp}/o"], "missing.yaml"),
+        (["train", "--config", "{tmp}/bad.yaml", "--out", "{tmp}/o"], "YAML"),
+        (["train", "--config", "{tmp}/list.yaml", "--out", "{tmp}/o"], "config"),
+        (["eval", "--checkpoint", "{tmp}/no-run"], "no such"),
+        (["eval", "--checkpoint", "{tmp}"], "no checkpoints"),
+        (["generate", "--checkpoint", "{tmp}/no-run", "--prompt", "x"], "no such"),
+        (["compare", "--presets", "tiny-smoe", "tiny-nope", "--out", "{tmp}/o"], "tiny-nope"),
+        (["presets", "--show", "tiny-nope"], "tiny-nope"),
+    ],
+)
+def test_other_bad_input_exits_2(bad_files, capsys, argv, needle):
+    argv = [a.replace("{tmp}", str(bad_files)) for a in argv]
+    assert main(argv) == 2
+    assert needle in _one_line_error(capsys)
+    assert not (bad_files / "o").exists()
+
+
+@pytest.mark.parametrize("extra, needle", [(["--prompt", ""], "--prompt"),
+                                           (["--prompt", "x", "--top-p", "0"], "top-p"),
+                                           (["--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
+                                           (["--prompt", "x", "--temperature", "-1"], "temperature")])
+def test_generate_bad_input_exits_2(trained, capsys, extra, needle):
+    assert main(["generate", "--checkpoint", str(trained), *extra]) == 2
+    assert needle in _one_line_error(capsys, "mhmoe generate: error:")
+
+
+def test_eval_all_checkpoints_corrupt_exits_2(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    w = run / "checkpoints" / "step_00000004" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    assert main(["eval", "--checkpoint", str(run)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "truncated" in err[0] and err[1].startswith("mhmoe eval: error:")
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train"])  # --out missing
+    assert info.value.code == 2 and "--out" in _one_line_error(capsys, "mhmoe train: error:")
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2 and "frobnicate" in _one_line_error(capsys, "mhmoe: error:")
+    assert main([]) == 2
+
+
+def test_diverging_run_exits_1(setup, tmp_path, capsys):
+    rc = main(["train", "--config", str(setup["config"]), "--out", str(tmp_path / "r"), "--max-steps", "20",
+               "--no-progress", "--set", "train.lr=1e30", "--set", "train.warmup_steps=0",
+               "--set", "train.max_nan_skips=1"])
+    assert rc == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("mhmoe train: stopping:") and "max_nan_skips=1" in err[-1]
+
+
+# ---- compare --------------------------------------------------------------------------------------------------------
+def test_compare_two_tiny_presets(setup, tmp_path, capsys):
+    """`compare` on two real tiny presets, shrunk with --set to a couple of 64-token steps."""
+    sets = ["train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "train.ckpt_every=0",
+            "train.log_every=1", "train.warmup_steps=0", "train.threads=1", "train.dtype=float32", "train.device=cpu",
+            "data.tokenizer=byte", "data.val_sets=[]", "data.val_tokens=256", f"data.cache_dir={tmp_path}/cache",
+            "model.max_seq_len=32"]
+    argv = ["compare", "--presets", "tiny-dense", "tiny-mh3", "--out", str(tmp_path / "cmp"), "--max-steps", "2",
+            "--data", str(setup["corpus"]), "--no-progress"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["preset"]: r for r in res["rows"]}
+    assert set(rows) == {"tiny-dense", "tiny-mh3"}
+    for r in rows.values():
+        assert r["step"] == 2 and "corpus" in r["eval"] and r["fwd_flops_per_token"] > 0
+    assert rows["tiny-mh3"]["params"] > rows["tiny-dense"]["params"]
+    # a second call reuses the finished runs and prints the markdown table
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "finished earlier" in captured.err
+    table = [ln for ln in captured.out.splitlines() if ln.startswith("|")]
+    assert table[0].startswith("| model | params | fwd FLOPs/token | ppl corpus |") and len(table) == 4
