@@ -273,3 +273,26 @@ def test_compare_two_tiny_presets(setup, tmp_path, capsys):
     assert "finished earlier" in captured.err
     table = [ln for ln in captured.out.splitlines() if ln.startswith("|")]
     assert table[0].startswith("| model | params | fwd FLOPs/token | ppl corpus |") and len(table) == 4
+
+
+# ---- the throughput benchmark script --------------------------------------------------------------------------------
+def test_train_throughput_benchmark_smoke(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_throughput.py"
+    spec = importlib.util.spec_from_file_location("train_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert len(bench.DEFAULT_PRESETS) == 9 and all(n.startswith("tiny-") for n in bench.DEFAULT_PRESETS)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--presets", "tiny-dense", "tiny-mh3", "--steps", "1", "--warmup", "0", "--batch-size", "2",
+                     "--seq-len", "16", "--device", "cpu", "--json", str(out)])
+    assert rc == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert len(table) == 4 and "tokens/s" in table[0] and "fwd FLOPs/token" in table[0]
+    res = json.loads(out.read_text())
+    assert {"cpu", "threads", "torch", "devices"} <= set(res["machine"])
+    assert [r["preset"] for r in res["rows"]] == ["tiny-dense", "tiny-mh3"]
+    for r in res["rows"]:
+        assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 32 and r["params"] > 0
+    assert bench.main(["--presets", "tiny-nope"]) == 2

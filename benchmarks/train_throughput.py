@@ -1,0 +1,190 @@
+"""Training throughput of the presets: tokens/s of one full optimizer step (forward + backward +
+gradient clipping + AdamW + aux-free balance step, exactly as in :func:`mhmoe.train.train`) on random
+token batches of the preset's ``batch_size x seq_len``.
+
+Timing: ``--warmup`` untimed steps, then the median of ``--steps`` timed steps (CUDA steps are
+synchronised). Prints a markdown table and, with ``--json PATH``, writes the rows plus a ``machine``
+object (CPU model, threads, torch version, devices)::
+
+    python benchmarks/train_throughput.py                                  # the 9 tiny-* presets
+    python benchmarks/train_throughput.py --presets tiny-dense tiny-smoe tiny-mh3 --json bench.json
+    python benchmarks/train_throughput.py --device cuda --dtype bfloat16 --presets paper-mh3
+
+``--device all`` (the default) runs on the CPU and, when one is available, on CUDA as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mhmoe.errors import ConfigError
+from mhmoe.evaluate import forward_flops_per_token
+from mhmoe.model import LM
+from mhmoe.presets import get_preset, preset_names
+from mhmoe.train import autocast_ctx, build_optimizer
+
+DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "processor\t: arm")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(devices: list[str]) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "devices": devices,
+    }
+    if "cuda" in devices:
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+        info["cuda_version"] = torch.version.cuda
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup: int,
+                 batch_size: int | None = None, seq_len: int | None = None, seed: int = 0) -> dict[str, Any]:
+    run = get_preset(name)
+    sets = [f"train.dtype={dtype}"]
+    if batch_size:
+        sets.append(f"train.batch_size={batch_size}")
+    if seq_len:
+        sets += [f"train.seq_len={seq_len}"] + ([f"model.max_seq_len={seq_len}"]
+                                                 if seq_len > run.model.max_seq_len else [])
+    run = run.with_overrides(sets)
+    cfg = run.train
+    torch.manual_seed(seed)
+    model = LM(run.model).to(device)
+    flops = forward_flops_per_token(model, cfg.seq_len, device)
+    opt = build_optimizer(model, cfg, fused=device.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    V, B, T = run.model.vocab_size, cfg.batch_size, cfg.seq_len
+    batches = [torch.randint(0, V, (B, T + 1), generator=g).to(device) for _ in range(min(4, warmup + steps))]
+
+    def step(i: int) -> float:
+        batch = batches[i % len(batches)]
+        _sync(device)
+        t0 = time.perf_counter()
+        with autocast_ctx(device, cfg.dtype):
+            out = model(batch[:, :-1], batch[:, 1:])
+        (out.loss + out.aux_loss).backward()
+        if cfg.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if out.routing:
+            model.balance_step(out.routing)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    model.train()
+    for i in range(warmup):
+        step(i)
+    times = [step(warmup + i) for i in range(steps)]
+    sec = statistics.median(times)
+    return {
+        "preset": name,
+        "device": device.type,
+        "dtype": dtype,
+        "params": model.num_params(),
+        "fwd_flops_per_token": flops,
+        "batch_size": B,
+        "seq_len": T,
+        "tokens_per_step": B * T,
+        "ms_per_step": sec * 1e3,
+        "tokens_per_s": B * T / sec,
+        "step_times_s": times,
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['device']} | {r['dtype']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['fwd_flops_per_token'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, metavar="NAME",
+                   help="presets to run (default: the 9 tiny-* presets without the ICML ones)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per preset (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype")
+    p.add_argument("--device", default="all", choices=["all", "cpu", "cuda"],
+                   help="all = cpu, plus cuda when available")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--batch-size", type=int, help="override the presets' batch size")
+    p.add_argument("--seq-len", type=int, help="override the presets' sequence length")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and machine info as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.steps < 1 or args.warmup < 0 or args.threads < 0:
+            raise ConfigError("--steps/--warmup/--threads", (args.steps, args.warmup, args.threads),
+                              "--steps >= 1, --warmup >= 0, --threads >= 0")
+        for name in args.presets:
+            get_preset(name)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device", "cuda", "cpu | all (no CUDA device is available)")
+    except ConfigError as exc:
+        print(f"train_throughput: error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = ["cpu"] if args.device in ("all", "cpu") else []
+    if args.device == "cuda" or (args.device == "all" and torch.cuda.is_available()):
+        devices.append("cuda")
+    rows = []
+    for dev in devices:
+        for name in args.presets:
+            row = bench_preset(name, torch.device(dev), args.dtype, args.steps, args.warmup, args.batch_size,
+                               args.seq_len)
+            rows.append(row)
+            print(f"[{dev}] {name}: {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step",
+                  file=sys.stderr, flush=True)
+    machine = machine_info(devices)
+    print(format_table(rows))
+    print(f"\n{machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}"
+          + (f", {machine['cuda_device']}" if "cuda_device" in machine else "")
+          + f"; median of {args.steps} steps after {args.warmup} warm-up")
+    if args.json:
+        out = {"machine": machine, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
