@@ -104,15 +104,22 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable meta.json ({exc.__class__.__name__})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: malformed meta.json (not an object)")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    for name, info in meta.get("files", {}).items():
+    try:  # a corrupted but still parseable meta.json must not escape as KeyError/TypeError
+        int(meta["step"])
+        files = [(name, int(info["bytes"]), str(info["sha256"])) for name, info in meta["files"].items()]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: malformed meta.json ({exc.__class__.__name__}: {exc})") from None
+    for name, size, sha in files:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: missing {name}")
-        if f.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{path}: {name} is truncated ({f.stat().st_size} of {info['bytes']} bytes)")
-        if _sha256(f) != info["sha256"]:
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{path}: {name} is truncated ({f.stat().st_size} of {size} bytes)")
+        if _sha256(f) != sha:
             raise CheckpointError(f"{path}: {name} is corrupted (sha256 mismatch)")
     return meta
 
