@@ -111,8 +111,8 @@ class _Metrics:
         self.path = run_dir / "metrics.jsonl"
         for path in (self.path, run_dir / "eval.jsonl"):
             if resume_step is not None and path.exists():
-                keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-                        if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                lines = [(ln, _logged_step(ln)) for ln in path.read_text(encoding="utf-8").splitlines()]
+                keep = [ln for ln, s in lines if s is not None and s <= resume_step]
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
                 os.replace(tmp, path)
@@ -138,6 +138,14 @@ class _Metrics:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics/eval line; None for a blank or torn line (a crash mid-write)."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return None
 
 
 def _progress(total: int, initial: int, enabled: bool):
