@@ -163,7 +163,7 @@ def test_resave_same_step_replaces_it(tmp_path):
 
 # ---- corruption and fallback ------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["flip-weights", "truncate-weights", "flip-state", "delete-tokenizer",
-                                    "bad-meta", "delete-meta"])
+                                    "bad-meta", "delete-meta", "meta-key", "meta-list", "meta-no-step"])
 def test_corrupted_newest_falls_back_with_one_line_warning(run_dir, capsys, damage):
     newest = list_checkpoints(run_dir)[-1]
     if damage == "flip-weights":
@@ -179,13 +179,24 @@ def test_corrupted_newest_falls_back_with_one_line_warning(run_dir, capsys, dama
         (newest / "meta.json").write_text("{not json")
     elif damage == "delete-meta":
         (newest / "meta.json").unlink()
+    elif damage == "meta-key":  # still valid JSON, but a key name was hit
+        m = newest / "meta.json"
+        m.write_text(m.read_text().replace('"bytes"', '"bxtes"', 1))
+    elif damage == "meta-list":
+        (newest / "meta.json").write_text("[1, 2]")
+    elif damage == "meta-no-step":
+        meta = json.loads((newest / "meta.json").read_text())
+        del meta["step"]
+        (newest / "meta.json").write_text(json.dumps(meta))
     ck = load_latest(run_dir)
     assert ck.step == 4 and ck.path.name == "step_00000004"
     lines = _warnings(capsys.readouterr().err)
     assert len(lines) == 1, lines
     assert "step_00000006" in lines[0] and "falling back" in lines[0]
     expected = {"flip-weights": "corrupted", "truncate-weights": "truncated", "flip-state": "corrupted",
-                "delete-tokenizer": "missing", "bad-meta": "meta.json", "delete-meta": "meta.json"}[damage]
+                "delete-tokenizer": "missing", "bad-meta": "meta.json", "delete-meta": "meta.json",
+                "meta-key": "malformed meta.json", "meta-list": "malformed meta.json",
+                "meta-no-step": "malformed meta.json"}[damage]
     assert expected in lines[0]
 
 

@@ -175,6 +175,19 @@ def test_resume_after_a_crash_falls_back_and_trims_logs(tmp_path):
     assert [r["step"] for r in records(crashed, "eval.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_survives_a_torn_metrics_line(tmp_path):
+    """A crash in the middle of writing a log line must not make the run impossible to resume."""
+    run = tiny_run(tmp_path, MHMOE)
+    train(run, tmp_path / "full", progress=False)
+    train(run, tmp_path / "torn", progress=False, stop_after=3)
+    with open(tmp_path / "torn" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    with open(tmp_path / "torn" / "eval.jsonl", "a") as f:
+        f.write("\n{")
+    train(run, tmp_path / "torn", resume=True, progress=False)
+    _assert_same_run(tmp_path / "full", tmp_path / "torn")
+
+
 def test_keyboard_interrupt_saves_and_resumes_exactly(tmp_path, monkeypatch, capsys):
     run = tiny_run(tmp_path, MHMOE)
     train(run, tmp_path / "full", progress=False)
