@@ -54,7 +54,7 @@ PASSES = ("fwd", "fwd_bwd")
 
 def available_impls(device: torch.device) -> list[str]:
     """Our execution paths usable on ``device`` (the loop oracle is measured separately)."""
-    return ["sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+    return ["fused", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:

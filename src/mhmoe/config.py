@@ -19,7 +19,7 @@ ROUTERS = ("softmax", "xmoe", "noisy", "sigmoid", "expert_choice")
 XMOE_GATES = ("softmax", "sigmoid")
 RESIDUALS = ("block", "subtoken")
 KINDS = ("dense", "moe")
-IMPLS = ("auto", "sorted", "grouped_mm", "loop")
+IMPLS = ("auto", "fused", "sorted", "grouped_mm", "loop")
 ENTROPY_MODES = ("token", "batch")
 
 
@@ -70,7 +70,7 @@ class MoEConfig:
     residual: str = "block"  # block (official code) | subtoken (ICML Eq.6)
     proj_bias: bool = True  # biases of the head/merge projections (official code: nn.Linear)
     # ---- execution -------------------------------------------------------------------------------
-    impl: str = "auto"  # auto | sorted | grouped_mm | loop (the per-expert masked loop, the oracle)
+    impl: str = "auto"  # auto | fused | sorted | grouped_mm | loop (the per-expert masked loop, the oracle)
     init_std: float = 0.02
 
     def __post_init__(self) -> None:

@@ -115,6 +115,10 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         return loop_moe
     if impl == "grouped_mm":
         return grouped_moe
+    if impl == "fused":
+        from mhmoe.fused import fused_moe
+
+        return fused_moe
     if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
         return grouped_moe
     return sorted_moe
