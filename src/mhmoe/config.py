@@ -74,6 +74,10 @@ class MoEConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type == "bool":
+                v = getattr(self, f.name)
+                _check(isinstance(v, bool), f.name, v, "true | false")
         _check(self.kind in KINDS, "kind", self.kind, " | ".join(KINDS))
         _check(self.ffn in FFN_TYPES, "ffn", self.ffn, " | ".join(FFN_TYPES))
         _check(self.d_expert >= 1, "d_expert", self.d_expert, "an integer >= 1")

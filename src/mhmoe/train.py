@@ -167,6 +167,8 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
     ckpt = None
     if resume and list_checkpoints(run_dir):
         ckpt = load_latest(run_dir)
+        print(f"mhmoe: resuming {run_dir} from step {ckpt.step} with the run's own config "
+              f"(only train.max_steps={cfg.max_steps} is taken from this command)", file=sys.stderr)
         run = RunConfig.from_dict({**ckpt.run.to_dict(), "train": {**ckpt.run.train.__dict__,
                                                                     "max_steps": cfg.max_steps}})
         cfg = run.train
@@ -239,10 +241,14 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
                 lm_sum += float(out.loss.detach())
                 aux_sum += float(out.aux_loss.detach())
                 routing = _sum_routing(routing, out.routing)
+            gnorm = None
+            if finite:  # a finite loss can still give non-finite gradients: skip those steps too
+                gnorm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+                finite = bool(torch.isfinite(gnorm))
             if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 nan_total, nan_run = nan_total + 1, nan_run + 1
-                print(f"mhmoe: warning: non-finite loss at step {step}; step skipped "
+                print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
                       f"({nan_run} in a row, {nan_total} total)", file=sys.stderr)
                 if nan_run > cfg.max_nan_skips:
                     raise RuntimeError(f"stopping: {nan_run} consecutive non-finite losses at step {step} "
@@ -251,7 +257,6 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
                 scheduler.step()
                 continue
             nan_run = 0
-            gnorm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
