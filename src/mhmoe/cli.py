@@ -56,11 +56,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
     builders: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan_parser]
-    try:  # subcommands that need the training stack register here when it is importable
-        from mhmoe import commands
-    except ImportError:  # pragma: no cover - partial installs
-        return builders
-    return builders + commands.PARSER_BUILDERS
+    from mhmoe import commands, commands_research  # import torch only; heavy modules load per command
+
+    return builders + commands.PARSER_BUILDERS + commands_research.PARSER_BUILDERS
 
 
 class _Parser(argparse.ArgumentParser):

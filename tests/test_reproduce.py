@@ -1,0 +1,74 @@
+"""Suite definitions are at parity; suites resume at run level."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mhmoe import reproduce
+from mhmoe.errors import ConfigError
+from mhmoe.model import LM
+
+
+def _moe_layer_counts(run):
+    torch.manual_seed(0)
+    cfg = run.model
+    model = LM(cfg)
+    block = next(b for b in model.blocks if b.is_moe)
+    params = sum(p.numel() for n, p in block.ffn.named_parameters() if "router" not in n and not n.endswith("bias"))
+    x = torch.randn(64, cfg.d_model)
+    with torch.no_grad(), FlopCounterMode(display=False) as c:
+        block.ffn(x)
+    heads = getattr(block.ffn, "heads", 1)
+    router_flops = 2 * 64 * heads * sum(p.numel() for n, p in block.ffn.named_parameters() if "router" in n)
+    return params, c.get_total_flops() - router_flops, router_flops
+
+
+@pytest.mark.parametrize("suite", sorted(reproduce.SUITES))
+def test_suite_rows_at_parity(suite):
+    torch.set_num_threads(1)
+    rows = reproduce.suite_rows(suite)
+    groups: dict[str, list] = {}
+    for row in rows:
+        run = row.build("tiny")
+        assert run.model.d_model == 192
+        if row.parity_group:
+            groups.setdefault(row.parity_group, []).append((row.label, *_moe_layer_counts(run)))
+    for group, members in groups.items():
+        ref_label, ref_params, ref_flops, _ = members[0]
+        for label, params, flops, _ in members[1:]:
+            assert abs(params / ref_params - 1) < 0.01, (suite, label, params, ref_params)
+            if group == "v2":  # FLOPs parity too (the ICML groups match parameters only, by design);
+                # the router's own matmul is not part of the parity
+                assert abs(flops / ref_flops - 1) < 0.01, (suite, label, flops, ref_flops)
+
+
+def test_unknown_suite_and_bad_scale():
+    with pytest.raises(ConfigError, match="suite"):
+        reproduce.suite_rows("v9-table1")
+    with pytest.raises(ConfigError, match="--scale"):
+        reproduce.run_suite("v2-table5", "/tmp/never", scale="huge")
+
+
+def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(run, run_dir, resume=False, progress=True):
+        calls.append((run.name, run.train.seed, str(run_dir)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "results.json").write_text(json.dumps({
+            "preset": run.name, "step": 1, "params": 10, "fwd_flops_per_token": 5.0, "tokens_per_s": 1.0,
+            "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 10.0 + len(calls), "loss": 2.3}}}))
+        (run_dir / "eval.jsonl").write_text(json.dumps({"step": 1, "kjv_ppl": 12.0}) + "\n")
+
+    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    res = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
+    assert len(calls) == 8 and len(res) == 8
+    assert {c[1] for c in calls} == {1337, 1338}  # seeds offset the preset's seed
+    again = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
+    assert len(calls) == 8 and [r["eval"] for r in again] == [r["eval"] for r in res]
+    md = (tmp_path / "results.md").read_text()
+    assert "± " in md and "11.60" in md  # mean ± std over seeds, the paper's number beside ours
+    assert (tmp_path / "results.csv").read_text().count("\n") == 9
+    assert (tmp_path / "curves.png").stat().st_size > 0
