@@ -21,6 +21,7 @@ RESIDUALS = ("block", "subtoken")
 KINDS = ("dense", "moe")
 IMPLS = ("auto", "fused", "sorted", "grouped_mm", "loop")
 ENTROPY_MODES = ("token", "batch")
+QUANTS = ("none", "bitnet158")
 
 
 def _check(cond: bool, field: str, value: object, allowed: str) -> None:
@@ -72,6 +73,10 @@ class MoEConfig:
     # ---- execution -------------------------------------------------------------------------------
     impl: str = "auto"  # auto | fused | sorted | grouped_mm | loop (the per-expert masked loop, the oracle)
     init_std: float = 0.02
+    # ---- quantization (docs/BITNET.md) ---------------------------------------------------------------
+    # none | bitnet158: ternary experts (gamma per expert), 8-bit activations, per-expert sub-norms,
+    # BitLinear head/merge projections; the router stays fp32. Inside a model it is set from model.quant.
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,6 +89,7 @@ class MoEConfig:
         _check(self.n_shared >= 0, "n_shared", self.n_shared, "an integer >= 0")
         _check(self.d_shared >= 0, "d_shared", self.d_shared, "an integer >= 0 (0 = d_expert)")
         _check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
+        _check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
         if self.kind == "dense":
             return
         _check(self.n_experts >= 1, "n_experts", self.n_experts, "an integer >= 1")

@@ -13,6 +13,10 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   ``torch._grouped_mm`` call per matrix with device-side offsets -- no host synchronisation.
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device/dtype from the measurements in docs/PERFORMANCE.md.
+
+Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
+run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or
+sub-norms) is not used -- :func:`choose_impl` falls back to ``sorted``.
 """
 
 from __future__ import annotations
@@ -110,12 +114,16 @@ def grouped_mm_supported(x: Tensor, experts: GroupedExperts) -> bool:
 
 
 def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
-    """The dispatch function for ``impl`` (``auto`` resolves by device and dtype)."""
+    """The dispatch function for ``impl`` (``auto`` resolves by device and dtype).
+
+    Quantized experts never get ``fused``: its hand-written backward has no activation quantization
+    or sub-norms, so ``impl="fused"`` falls back to ``sorted`` (same result, see docs/BITNET.md).
+    """
     if impl == "loop":
         return loop_moe
     if impl == "grouped_mm":
         return grouped_moe
-    if impl == "fused":
+    if impl == "fused" and not experts.quantized:
         from mhmoe.fused import fused_moe
 
         return fused_moe

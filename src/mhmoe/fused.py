@@ -105,7 +105,15 @@ class _FusedMoE(torch.autograd.Function):
 
 
 def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
-    """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D]."""
+    """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D].
+
+    Quantized experts (bitnet158) are run by :func:`mhmoe.dispatch.sorted_moe` instead: the
+    hand-written backward here has no activation quantization or sub-norms.
+    """
+    if experts.quantized:
+        from mhmoe.dispatch import sorted_moe
+
+        return sorted_moe(x, route, experts)
     if experts.b1 is not None:
         raise ValueError("invalid impl='fused' with expert_bias=True: allowed sorted | grouped_mm | loop")
     S, K = route.experts.shape

@@ -17,14 +17,15 @@ applied from outside.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhmoe.config import MoEConfig, _check, coerce_fields
+from mhmoe.bitnet import BitLinear
+from mhmoe.config import QUANTS, MoEConfig, _check, coerce_fields
 from mhmoe.errors import ConfigError
 from mhmoe.moe import FFNOutput, RoutingStats, build_ffn_layer
 
@@ -44,6 +45,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # none | bitnet158 (BitNet b1.58 quantization-aware training, docs/BITNET.md): attention
+    # projections, every FFN/expert matrix and the MH-MoE head/merge projections are ternary with
+    # 8-bit activations; embeddings, LM head, norms and routers stay full precision. Applies to the
+    # whole model: moe.quant and the dense FFNs are set from it.
+    quant: str = "none"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -57,6 +63,9 @@ class ModelConfig:
             raise ConfigError("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} giving an even head dim")
         _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
         _check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
+        _check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
+        if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
+            self.moe = replace(self.moe, quant=self.quant)
         self.moe.check_d_model(self.d_model, "d_model")
 
     def is_moe_block(self, i: int) -> bool:
@@ -149,8 +158,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        quantized = cfg.quant != "none"
+        linear = BitLinear if quantized else nn.Linear
+        self.qkv = linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = linear(cfg.d_model, cfg.d_model, bias=False)
+        # bitnet158: sub-norm before the output projection (the released BitNet models' scheme); the
+        # qkv input is already normalised by the block's pre-norm
+        self.sub_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if quantized else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int) -> Tensor:
         B, T, D = x.shape
@@ -165,7 +179,8 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
 
 
 class Block(nn.Module):
@@ -175,7 +190,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std)
+        ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std,
+                                                        quant=cfg.quant)
         self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mhmoe.bitnet import QUANT_NONE, BitLinear
 from mhmoe.config import MoEConfig
 from mhmoe.dispatch import apply_capacity, choose_impl, expert_capacity
 from mhmoe.errors import ConfigError
@@ -79,7 +80,7 @@ class DenseLayer(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.d_model = d_model
-        self.ffn = DenseFFN(d_model, cfg.d_expert, cfg.ffn, cfg.expert_bias, cfg.init_std)
+        self.ffn = DenseFFN(d_model, cfg.d_expert, cfg.ffn, cfg.expert_bias, cfg.init_std, cfg.quant)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> FFNOutput:
         _check_input(x, self.d_model, mask, "dense FFN")
@@ -97,9 +98,10 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg, self.d_in = cfg, d_in
         self.router = build_router(d_in, cfg)
-        self.experts = GroupedExperts(cfg.n_experts, d_in, cfg.d_expert, cfg.ffn, cfg.expert_bias, cfg.init_std)
-        self.shared = (SharedExperts(d_in, cfg.n_shared, cfg.shared_width, cfg.ffn, cfg.expert_bias, cfg.init_std)
-                       if shared and cfg.n_shared > 0 else None)
+        self.experts = GroupedExperts(cfg.n_experts, d_in, cfg.d_expert, cfg.ffn, cfg.expert_bias, cfg.init_std,
+                                      cfg.quant)
+        self.shared = (SharedExperts(d_in, cfg.n_shared, cfg.shared_width, cfg.ffn, cfg.expert_bias, cfg.init_std,
+                                     cfg.quant) if shared and cfg.n_shared > 0 else None)
 
     def capacity(self, n_tokens: int) -> int | None:
         """Per-expert capacity for this forward (None = dropless). Expert choice handles its own."""
@@ -142,17 +144,29 @@ class MoELayer(nn.Module):
         }
 
 
-def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float) -> nn.Module:
-    """n Linear(d, d) layers with ReLU between (ICML Table 7); n=0 is the identity."""
+def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float, quant: str = QUANT_NONE,
+                    norm_in: bool = False, norm_out: bool = False) -> nn.Module:
+    """n Linear(d, d) layers with ReLU between (ICML Table 7); n=0 is the identity.
+
+    Quantized (bitnet158): BitLinear layers, and an RMSNorm (eps 1e-5) in front of every BitLinear
+    whose input is not already normalised -- the first layer when ``norm_in`` (the merge
+    projection reads the merged expert outputs) and every layer after a ReLU -- plus one after the
+    last layer when ``norm_out`` (the head projection's output feeds the quantized experts).
+    """
+    quantized = quant != QUANT_NONE
     layers: list[nn.Module] = []
     for i in range(n_layers):
         if i:
             layers.append(nn.ReLU())
-        lin = nn.Linear(d, d, bias=bias)
+        if quantized and (i or norm_in):
+            layers.append(nn.RMSNorm(d, eps=1e-5))
+        lin = BitLinear(d, d, bias=bias) if quantized else nn.Linear(d, d, bias=bias)
         nn.init.xavier_uniform_(lin.weight, gain=gain)
         if bias:
             nn.init.zeros_(lin.bias)
         layers.append(lin)
+    if quantized and norm_out and layers:
+        layers.append(nn.RMSNorm(d, eps=1e-5))
     return nn.Sequential(*layers) if layers else nn.Identity()
 
 
@@ -172,11 +186,15 @@ class MHMoELayer(nn.Module):
         self.d_sub = d_model // self.heads
         n = cfg.mlp_layers
         # W_head: Xavier-uniform gain 1/sqrt(2); W_merge: Xavier-uniform, bias 0 (ICML App. E).
-        self.head = _projection_mlp(d_model, n if cfg.head_layer else 0, cfg.proj_bias, 2 ** -0.5)
-        self.merge = _projection_mlp(d_model, n if cfg.merge_layer else 0, cfg.proj_bias, 1.0)
+        # bitnet158: BitLinear projections; sub-norms where a BitLinear or the experts would read
+        # an un-normalised input (after W_head, before W_merge, between MLP layers; docs/BITNET.md)
+        self.head = _projection_mlp(d_model, n if cfg.head_layer else 0, cfg.proj_bias, 2 ** -0.5, cfg.quant,
+                                    norm_out=True)
+        self.merge = _projection_mlp(d_model, n if cfg.merge_layer else 0, cfg.proj_bias, 1.0, cfg.quant,
+                                     norm_in=True)
         self.moe = MoELayer(self.d_sub, cfg, shared=False)
         self.shared = (SharedExperts(d_model, cfg.n_shared, cfg.shared_width, cfg.ffn, cfg.expert_bias,
-                                     cfg.init_std) if cfg.n_shared > 0 else None)
+                                     cfg.init_std, cfg.quant) if cfg.n_shared > 0 else None)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> FFNOutput:
         _check_input(x, self.d_model, mask, "MH-MoE")
