@@ -34,7 +34,7 @@ from mhmoe.model import LM
 from mhmoe.presets import get_preset, preset_names
 from mhmoe.train import autocast_ctx, build_optimizer
 
-DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n]
+DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n and "-bitnet" not in n]
 
 
 def cpu_model() -> str:

@@ -11,11 +11,16 @@ scaled down for a 2-core CPU, d=192, 4 layers):
 - ``*-shared``: the MoE models plus one shared expert of width d_ff.
 - ``icml-xmoe-E`` / ``icml-mh4-E`` (E = 8, 32): the ICML paper's setting -- X-MoE router, ReLU
   experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d).
+- ``*-bitnet`` (dense, smoe, fgmoe, mh2, mh3): the same models trained with BitNet b1.58
+  quantization (``model.quant=bitnet158``, v2 paper Table 3) and the BitNet schedule defaults:
+  peak lr 2x the full-precision one, lr halved at the halfway point (``lr_stage2_ratio=0.5``),
+  weight decay 0.1 -> 0 at the halfway point, no head/merge biases (see docs/BITNET.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from mhmoe.config import MoEConfig
 from mhmoe.data import DataConfig
@@ -40,6 +45,11 @@ TRAIN = {
                         eval_batches=16),
 }
 VARIANTS = ("dense", "smoe", "fgmoe", "mh2", "mh3")
+# BitNet b1.58 schedule defaults (docs/BITNET.md): the b1.58 paper and its training notes use a
+# higher peak lr than full precision, a two-stage lr (drop at the halfway point) and weight decay
+# 0.1 -> 0 at the halfway point. Peak lr: 2x the scale's full-precision lr; the drop: x0.5.
+BITNET_LR_FACTOR = 2.0
+BITNET_TRAIN = dict(lr_stage2_ratio=0.5, weight_decay=0.1, wd_stage2=0.0)
 
 
 def variant_plan(d: int, d_ff: int, variant: str) -> Plan | None:
@@ -80,6 +90,14 @@ def _run(name: str, scale: str, moe: MoEConfig) -> RunConfig:
                      train=TrainConfig(**TRAIN[scale].__dict__), data=DataConfig())
 
 
+def bitnet_run(run: RunConfig, name: str | None = None) -> RunConfig:
+    """``run`` quantized with BitNet b1.58 and the BitNet schedule defaults (see BITNET_TRAIN)."""
+    moe = replace(run.model.moe, proj_bias=False, quant="bitnet158")  # the recipe: no biases
+    model = replace(run.model, moe=moe, quant="bitnet158")
+    train = replace(run.train, lr=run.train.lr * BITNET_LR_FACTOR, **BITNET_TRAIN)
+    return RunConfig(name=name or f"{run.name}-bitnet", model=model, train=train, data=run.data)
+
+
 def _registry() -> dict[str, Callable[[], RunConfig]]:
     reg: dict[str, Callable[[], RunConfig]] = {}
     for scale in SCALES:
@@ -87,6 +105,8 @@ def _registry() -> dict[str, Callable[[], RunConfig]]:
             reg[f"{scale}-{v}"] = lambda s=scale, v=v: _run(f"{s}-{v}", s, moe_config(s, v))
             if v != "dense":
                 reg[f"{scale}-{v}-shared"] = lambda s=scale, v=v: _run(f"{s}-{v}-shared", s, moe_config(s, v, True))
+        for v in VARIANTS:
+            reg[f"{scale}-{v}-bitnet"] = lambda s=scale, v=v: bitnet_run(_run(f"{s}-{v}", s, moe_config(s, v)))
         for e in (8, 32):
             reg[f"{scale}-icml-xmoe-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-xmoe-{e}", s, icml_moe_config(s, 1, e))
             reg[f"{scale}-icml-mh4-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-mh4-{e}", s, icml_moe_config(s, 4, e))

@@ -21,7 +21,7 @@ from pathlib import Path
 from mhmoe.config import MoEConfig
 from mhmoe.errors import ConfigError
 from mhmoe.planner import plan
-from mhmoe.presets import SCALES, _run, icml_moe_config, moe_config
+from mhmoe.presets import SCALES, _run, bitnet_run, icml_moe_config, moe_config
 from mhmoe.runconfig import RunConfig
 
 
@@ -35,6 +35,11 @@ class Row:
 
 def _variant(variant: str, shared: bool = False) -> Callable[[str], RunConfig]:
     return lambda scale: _run(f"{scale}-{variant}", scale, moe_config(scale, variant, shared))
+
+
+def _bitnet(variant: str) -> Callable[[str], RunConfig]:
+    """The variant quantized with BitNet b1.58 and its schedule defaults (the ``*-bitnet`` presets)."""
+    return lambda scale: bitnet_run(_run(f"{scale}-{variant}", scale, moe_config(scale, variant)))
 
 
 def _with(variant: str, **changes) -> Callable[[str], RunConfig]:
@@ -82,6 +87,14 @@ SUITES: dict[str, list[Row]] = {
         Row("Fine-grained SMoE", _variant("fgmoe", True), dict(zip(V2_COLS, (10.41, 9.15, 13.78), strict=True)), "v2"),
         Row("MH-MoE (head=2)", _variant("mh2", True), dict(zip(V2_COLS, (10.36, 8.79, 13.66), strict=True)), "v2"),
         Row("MH-MoE (head=3)", _variant("mh3", True), dict(zip(V2_COLS, (10.28, 8.72, 13.49), strict=True)), "v2"),
+    ],
+    # BitNet b1.58 (1.58-bit weights, 8-bit activations), 100k steps; docs/BITNET.md
+    "v2-table3": [
+        Row("Dense", _bitnet("dense"), dict(zip(V2_COLS, (30.04, 24.75, 33.55), strict=True))),
+        Row("SMoE", _bitnet("smoe"), dict(zip(V2_COLS, (26.78, 21.54, 29.73), strict=True)), "v2"),
+        Row("Fine-grained SMoE", _bitnet("fgmoe"), dict(zip(V2_COLS, (26.68, 21.42, 29.50), strict=True)), "v2"),
+        Row("MH-MoE (head=2)", _bitnet("mh2"), dict(zip(V2_COLS, (26.59, 21.11, 29.27), strict=True)), "v2"),
+        Row("MH-MoE (head=3)", _bitnet("mh3"), dict(zip(V2_COLS, (26.47, 21.06, 29.14), strict=True)), "v2"),
     ],
     # 50k steps in the paper (Table 4 has no 100k column)
     "v2-table4": [

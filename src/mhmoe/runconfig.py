@@ -41,6 +41,10 @@ class TrainConfig:
     beta2: float = 0.98
     eps: float = 1e-6
     weight_decay: float = 0.01
+    # two-stage schedule (BitNet b1.58 training notes): from step max_steps // 2 on, the lr is
+    # multiplied by lr_stage2_ratio and the weight decay of the matrices becomes wd_stage2 (None = keep)
+    lr_stage2_ratio: float = 1.0
+    wd_stage2: float | None = None
     grad_clip: float = 1.0  # 0 = off
     dtype: str = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
     compile: bool = False  # torch.compile the model
@@ -68,6 +72,9 @@ class TrainConfig:
         _check(self.dtype in DTYPES, "train.dtype", self.dtype, " | ".join(DTYPES))
         _check(self.device in DEVICES, "train.device", self.device, " | ".join(DEVICES))
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", (self.beta1, self.beta2), "[0, 1)")
+        _check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")
+        _check(self.wd_stage2 is None or self.wd_stage2 >= 0, "train.wd_stage2", self.wd_stage2,
+               "null (keep weight_decay) or a float >= 0")
         _check(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train.eps/weight_decay/grad_clip",
                (self.eps, self.weight_decay, self.grad_clip), "eps > 0, weight_decay >= 0, grad_clip >= 0")
 
