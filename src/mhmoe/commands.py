@@ -1,4 +1,4 @@
-"""Training-stack subcommands of the ``mhmoe`` CLI: presets, train, eval, generate, compare."""
+"""Training-stack subcommands of the ``mhmoe`` CLI: presets, train, eval, generate, compare, bench, export."""
 
 from __future__ import annotations
 
@@ -248,5 +248,47 @@ def _run_bench(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare, _add_bench]
+# ---- export ----------------------------------------------------------------------------------------
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a checkpoint (--bitnet: packed 2-bit ternary weights, docs/BITNET.md)")
+    p.add_argument("--bitnet", action="store_true",
+                   help="pack the ternary weights of a model.quant=bitnet158 checkpoint 4 per byte (required for now)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/)")
+    p.add_argument("--float-dtype", default="float32", help="float32 | bfloat16: dtype of the unquantized tensors")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    from mhmoe.bitnet_export import export_bitnet, load_packed
+    from mhmoe.checkpoint import load_latest
+
+    if not args.bitnet:
+        raise ConfigError("export", "(no format)", "--bitnet (the only export format for now)")
+    ck = load_latest(args.checkpoint, "cpu")
+    out = Path(args.out)
+    report = export_bitnet(ck.model, out, args.float_dtype)
+    (out / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")
+    ck.tokenizer.save(out / "tokenizer")
+    # check: the packed model computes the fake-quantized model's logits
+    packed = load_packed(report.path)
+    model = ck.model.eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.cfg.vocab_size, (1, min(32, model.cfg.max_seq_len)), generator=g)
+    with torch.no_grad():
+        diff = float((packed(idx).logits - model(idx).logits).abs().max())
+    res = {**report.to_dict(), "checkpoint": str(ck.path), "step": ck.step, "max_abs_logit_diff": diff}
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"{report.path}: {report.packed_bytes:,} bytes ({report.packed_tensors} ternary tensors, "
+              f"{report.packed_params:,} weights at 2 bits; {report.float_params:,} in {report.float_dtype})")
+        print(f"fp32 safetensors: {report.fp32_bytes:,} bytes -> {report.ratio:.2f}x smaller "
+              f"({100 * (1 - 1 / report.ratio):.1f}% less)")
+        print(f"packed vs fake-quantized logits: max |diff| = {diff:.3g}")
+    return 0
+
+
+PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare, _add_bench, _add_export]
 __all__ = ["PARSER_BUILDERS", "format_table", "CheckpointError"]
