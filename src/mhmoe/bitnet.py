@@ -117,6 +117,22 @@ class BitLinear(nn.Linear):
         return super().extra_repr() + ", quant=bitnet158" + (", prequantized" if self.prequantized else "")
 
 
+class SubNorm(nn.Module):
+    """RMSNorm placed in front of a quantized matmul whose input is not normalised (attention output,
+    MH-MoE merge input, ...). Its weight is cast to the input's dtype, so under bf16 autocast (where
+    that input is bf16) it keeps the fused kernel."""
+
+    def __init__(self, d: int, eps: float = SUBNORM_EPS) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
 def quantized_weights(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
     """Every fake-quantized weight of ``model``: parameter name -> dims gamma is taken over
     (None = the whole matrix; (1, 2) = per expert). Everything else stays full precision."""

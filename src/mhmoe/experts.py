@@ -24,7 +24,7 @@ from mhmoe.bitnet import QUANT_NONE, SUBNORM_EPS, ReduceGamma, activation_quant,
 
 def sub_norm_rows(h: Tensor, weight: Tensor) -> Tensor:
     """RMSNorm of rows h [N, F] (eps 1e-5) times ``weight`` ([F], or [N, F] gathered per row)."""
-    return F.rms_norm(h, (h.shape[-1],), eps=SUBNORM_EPS) * weight
+    return F.rms_norm(h, (h.shape[-1],), eps=SUBNORM_EPS) * weight.to(h.dtype)
 
 
 def ffn_forward(

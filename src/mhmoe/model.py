@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mhmoe.bitnet import BitLinear
+from mhmoe.bitnet import BitLinear, SubNorm
 from mhmoe.config import QUANTS, MoEConfig, _check, coerce_fields
 from mhmoe.errors import ConfigError
 from mhmoe.moe import FFNOutput, RoutingStats, build_ffn_layer
@@ -164,7 +164,7 @@ class Attention(nn.Module):
         self.proj = linear(cfg.d_model, cfg.d_model, bias=False)
         # bitnet158: sub-norm before the output projection (the released BitNet models' scheme); the
         # qkv input is already normalised by the block's pre-norm
-        self.sub_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if quantized else None
+        self.sub_norm = SubNorm(cfg.d_model, cfg.norm_eps) if quantized else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int) -> Tensor:
         B, T, D = x.shape

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from mhmoe.bitnet import QUANT_NONE, BitLinear
+from mhmoe.bitnet import QUANT_NONE, BitLinear, SubNorm
 from mhmoe.config import MoEConfig
 from mhmoe.dispatch import apply_capacity, choose_impl, expert_capacity
 from mhmoe.errors import ConfigError
@@ -159,14 +159,14 @@ def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float, quant: str =
         if i:
             layers.append(nn.ReLU())
         if quantized and (i or norm_in):
-            layers.append(nn.RMSNorm(d, eps=1e-5))
+            layers.append(SubNorm(d))
         lin = BitLinear(d, d, bias=bias) if quantized else nn.Linear(d, d, bias=bias)
         nn.init.xavier_uniform_(lin.weight, gain=gain)
         if bias:
             nn.init.zeros_(lin.bias)
         layers.append(lin)
     if quantized and norm_out and layers:
-        layers.append(nn.RMSNorm(d, eps=1e-5))
+        layers.append(SubNorm(d))
     return nn.Sequential(*layers) if layers else nn.Identity()
 
 
