@@ -113,7 +113,7 @@ def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: bool = False) -> list[dict]:
+                 passes: tuple[str, ...] = PASSES, with_loop: bool = True) -> list[dict]:
     torch.manual_seed(0)
     x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype)
     layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
@@ -141,23 +141,19 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row["ms_loop"] = time_fn(_runner(loop, x, pass_), device, repeats) if loop is not None else None
         row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
         row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
-        if peers:
-            from mhmoe.bench_peers import bench_peers
-
-            row.update(bench_peers(cfg, x, pass_, device, repeats))
         rows.append(row)
     return rows
 
 
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
-                  with_loop: bool = True, peers: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+                  with_loop: bool = True, progress: Callable[[str], None] | None = None) -> dict:
     dev = torch.device(device)
     rows: list[dict] = []
     for name in configs:
         for dt in dtypes:
             if progress:
                 progress(f"{name} {dt}")
-            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop, peers=peers)
+            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop)
     smoe = {(r["dtype"], r["pass"]): r["ms_ours"] for r in rows if r["config"] == "smoe"}
     for r in rows:
         base = smoe.get((r["dtype"], r["pass"]))

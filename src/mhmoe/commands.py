@@ -222,7 +222,6 @@ def _add_bench(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
-    p.add_argument("--peers", action="store_true", help="also time installable peer libraries")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
     p.set_defaults(func=_run_bench)
 
@@ -237,7 +236,7 @@ def _run_bench(args) -> int:
                           f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
     device = resolve_device(args.device)
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
-                           with_loop=not args.no_loop, peers=args.peers,
+                           with_loop=not args.no_loop,
                            progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
     if args.json == "-":
         print(json.dumps(result, indent=2))
