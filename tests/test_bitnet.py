@@ -40,14 +40,6 @@ Q = "bitnet158"
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(tmp_path, monkeypatch):
-    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_model_cfg(moe: MoEConfig, quant: str = Q, vocab: int = 64, **kw) -> ModelConfig:
     d = dict(vocab_size=vocab, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, moe=moe, quant=quant)

@@ -26,13 +26,6 @@ MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, m
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
 
-@pytest.fixture(autouse=True)
-def _cache_env_and_threads(tmp_path, monkeypatch):
-    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_run(corpus: Path, cache: Path, **train_kw) -> RunConfig:
     t = dict(max_steps=6, batch_size=4, seq_len=32, log_every=1, eval_batches=2, warmup_steps=2, lr=1e-3,

@@ -20,14 +20,6 @@ from mhmoe.runconfig import RunConfig, TrainConfig
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
 
-@pytest.fixture(autouse=True)
-def _cache_env_and_threads(tmp_path, monkeypatch):
-    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _write_corpus(root: Path, n_docs: int = 12, seed: int = 0) -> Path:
     rng = random.Random(seed)

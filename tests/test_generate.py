@@ -22,13 +22,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_model(moe: MoEConfig, max_seq_len: int = 48) -> LM:
     torch.manual_seed(0)

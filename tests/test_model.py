@@ -24,13 +24,6 @@ MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, m
 ALL = {"dense": DENSE, "smoe": SMOE, "mhmoe": MHMOE}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def cfg(moe: MoEConfig = MHMOE, **kw) -> ModelConfig:
     base = dict(vocab_size=V, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, moe=moe)

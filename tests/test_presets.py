@@ -24,14 +24,6 @@ from mhmoe.runconfig import RunConfig, TrainConfig
 MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small matmuls: one thread is as fast and does not thrash on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def base_run() -> RunConfig:
     return RunConfig(

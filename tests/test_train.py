@@ -27,14 +27,6 @@ NOISY_MH = MoEConfig(n_experts=6, top_k=2, d_expert=16, heads=3, head_layer=True
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
 
-@pytest.fixture(autouse=True)
-def _cache_env_and_threads(tmp_path, monkeypatch):
-    """Keep caches in tmp_path; train.threads=1 below sets torch's global thread count: restore it."""
-    monkeypatch.setenv("MHMOE_CACHE", str(tmp_path / "env-cache"))
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
 
 def write_corpus(root: Path, n_docs: int = 12, n_words: int = 250) -> Path:
     """A directory of small text files (one document each), deterministic."""
