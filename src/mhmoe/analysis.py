@@ -137,6 +137,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     im = ax.imshow(freq.numpy() if freq.numel() else np.zeros((1, 1)), aspect="auto", cmap="viridis")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(max(1, len(freq))))
     ax.set_title(f"expert activation (selections / token); activation ratio {summary['activation_ratio']:.3f}")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
