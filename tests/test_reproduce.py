@@ -72,3 +72,18 @@ def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
     assert "± " in md and "11.60" in md  # mean ± std over seeds, the paper's number beside ours
     assert (tmp_path / "results.csv").read_text().count("\n") == 9
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_reuse_refuses_a_run_with_a_different_config(tmp_path, monkeypatch):
+    def fake_train(run, run_dir, resume=False, progress=True):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(run.to_yaml())
+        (run_dir / "results.json").write_text(json.dumps({
+            "preset": run.name, "step": 1, "params": 10, "fwd_flops_per_token": 5.0, "tokens_per_s": 1.0,
+            "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 10.0, "loss": 2.3}}}))
+
+    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    reproduce.run_suite("v2-table5", tmp_path, progress=False)
+    reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.eval_batches=3"])  # bookkeeping
+    with pytest.raises(ConfigError, match="train.lr"):
+        reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.lr=1e-4"])

@@ -166,12 +166,14 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
     for row in rows:
         base = row.build(scale)
         for seed in range(seeds):
-            sets = list(overrides or []) + [f"train.seed={base.train.seed + seed}"]
-            if tokens:
-                sets.append(f"train.max_steps={max(1, tokens // base.train.tokens_per_step)}")
+            steps = max(1, tokens // base.train.tokens_per_step) if tokens else base.train.max_steps
+            # 4 validation points per run for the curves (before user overrides, which win)
+            sets = [f"train.eval_every={max(1, steps // 4)}", f"train.max_steps={steps}"]
+            sets += list(overrides or []) + [f"train.seed={base.train.seed + seed}"]
             run = base.with_overrides(sets)
             run_dir = _run_dir(out, row.label, seed)
             done = run_dir / "results.json"
+            _check_same_run(run_dir, run)
             if not done.exists():
                 print(f"[{name}] {row.label} seed {seed}: {run.train.max_steps} steps", file=sys.stderr)
                 resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
@@ -180,6 +182,32 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
             results.append({"label": row.label, "seed": seed, "run_dir": str(run_dir), **res})
     write_outputs(name, rows, results, out)
     return results
+
+
+BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def _check_same_run(run_dir: Path, run: RunConfig) -> None:
+    """A reused run must have been trained with the same config (bookkeeping fields aside)."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return
+    old = _flat(RunConfig.load(saved).to_dict())
+    new = _flat(run.to_dict())
+    for key in sorted(set(old) | set(new)):
+        if key.split(".")[-1] in BOOKKEEPING or key in ("name", "model.vocab_size"):
+            continue
+        if old.get(key) != new.get(key):
+            raise ConfigError("--out", str(run_dir), f"a directory without a different run in it ({key}: "
+                              f"{old.get(key)!r} there, {new.get(key)!r} now); use another --out")
 
 
 def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) -> None:
@@ -231,7 +259,8 @@ def _plot_curves(results: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
