@@ -5,7 +5,6 @@ config validation, two-stage schedule with bit-exact resume, presets."""
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import oracle_pair
 
 from mhmoe.bitnet import (
     BitLinear,
@@ -31,7 +31,6 @@ from mhmoe.dispatch import choose_impl, sorted_moe
 from mhmoe.errors import ConfigError
 from mhmoe.experts import GroupedExperts
 from mhmoe.model import LM, ModelConfig
-from mhmoe.moe import build_ffn_layer
 from mhmoe.presets import get_preset
 from mhmoe.runconfig import RunConfig, TrainConfig
 from mhmoe.train import build_optimizer, lr_lambda, train, weight_decay_at
@@ -138,14 +137,6 @@ def test_bitlinear_gradients_equal_the_full_precision_path_on_the_quantized_poin
 
 
 # ---- every dispatch path against the loop oracle, quantization on --------------------------------------------------
-def _pair(d_model, cfg):
-    fast = build_ffn_layer(d_model, cfg)
-    ref = copy.deepcopy(fast)
-    ref_cfg = MoEConfig(**{**cfg.to_dict(), "impl": "loop"})
-    for m in ref.modules():
-        if hasattr(m, "cfg"):
-            m.cfg = ref_cfg
-    return fast, ref
 
 
 def _run(layer, x, mask):
@@ -165,7 +156,7 @@ def test_dispatch_paths_match_loop_oracle_quantized(impl, ffn, heads, k, cf, sha
     cfg = MoEConfig(n_experts=5, top_k=k, d_expert=16, ffn=ffn, capacity_factor=cf, heads=heads,
                     head_layer=heads > 1, merge_layer=heads > 1, n_shared=shared, d_shared=8, impl=impl,
                     expert_bias=ffn == "relu" and impl != "fused", z_loss_weight=1e-3, quant=Q)
-    fast, ref = _pair(d_model, cfg)
+    fast, ref = oracle_pair(d_model, cfg)
     x = torch.randn(2, 7, d_model)
     mask = torch.rand(2, 7) > 0.3
     mask[0, 0] = True

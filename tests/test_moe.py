@@ -1,26 +1,15 @@
 """MoE / MH-MoE layers: the grouped dispatch path against the per-expert loop oracle, and the
 invariants (h=1 without head/merge == plain MoE; one expert with k=1 == dense FFN)."""
 
-import copy
 
 import pytest
 import torch
+from helpers import oracle_pair
 
 from mhmoe.config import ROUTERS, MoEConfig
 from mhmoe.dispatch import apply_capacity
 from mhmoe.experts import DenseFFN
 from mhmoe.moe import DenseLayer, MHMoELayer, MoELayer, build_ffn_layer
-
-
-def _pair(d_model, cfg):
-    """Two identical layers, one running the sorted dispatch and one the loop oracle."""
-    fast = build_ffn_layer(d_model, cfg)
-    ref = copy.deepcopy(fast)
-    ref_cfg = MoEConfig(**{**cfg.to_dict(), "impl": "loop"})
-    for m in ref.modules():
-        if hasattr(m, "cfg"):
-            m.cfg = ref_cfg
-    return fast, ref
 
 
 def _run(layer, x, mask, seed=0):
@@ -58,7 +47,7 @@ def test_dispatch_paths_match_loop_oracle(router, k, cf, heads, masked, ffn, imp
                     heads=heads, head_layer=heads > 1, merge_layer=heads > 1, n_shared=1 if heads == 2 else 0,
                     d_shared=8, z_loss_weight=1e-3, entropy_loss_weight=1e-3,
                     expert_bias=ffn == "relu" and impl != "fused", impl=impl)
-    fast, ref = _pair(d_model, cfg)
+    fast, ref = oracle_pair(d_model, cfg)
     x = torch.randn(B, T, d_model)
     mask = None
     if masked:
@@ -85,7 +74,7 @@ def fast_heads(layer):
 
 def test_empty_experts_and_all_masked():
     cfg = MoEConfig(n_experts=16, top_k=1, d_expert=8)
-    fast, ref = _pair(8, cfg)
+    fast, ref = oracle_pair(8, cfg)
     x = torch.randn(3, 8)  # 3 tokens, 16 experts: most are empty
     torch.testing.assert_close(fast(x).out, ref(x).out)
     none = torch.zeros(3, dtype=torch.bool)
@@ -109,7 +98,7 @@ def test_padding_does_not_change_real_tokens():
 
 def test_bf16_sorted_close_to_fp32_oracle():
     cfg = MoEConfig(n_experts=6, top_k=2, d_expert=32, heads=2, head_layer=True, merge_layer=True)
-    fast, ref = _pair(64, cfg)
+    fast, ref = oracle_pair(64, cfg)
     x = torch.randn(4, 7, 64)
     expect = ref(x).out
     got = fast.to(torch.bfloat16)(x.to(torch.bfloat16))

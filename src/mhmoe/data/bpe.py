@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, sha256_hex, split_for_encoding
+from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
 
 BPE_VERSION = 1
@@ -52,16 +52,8 @@ class BPETokenizer(Tokenizer):
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        pieces, owner = [], []
-        for i, t in enumerate(texts):
-            for p in split_for_encoding(t):
-                pieces.append(p)
-                owner.append(i)
         enc = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
-        out: list[list[int]] = [[] for _ in texts]
-        for i, e in zip(owner, enc(pieces, add_special_tokens=False), strict=True):
-            out[i].extend(e.ids)
-        return out
+        return encode_in_pieces(texts, lambda pieces: (e.ids for e in enc(pieces, add_special_tokens=False)))
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]

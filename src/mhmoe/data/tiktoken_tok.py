@@ -21,7 +21,7 @@ from typing import Any
 
 import tiktoken
 
-from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, sha256_hex, split_for_encoding
+from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
 
 # sha256 values from tiktoken_ext/openai_public.py (tiktoken 0.6 .. 0.14).
@@ -152,15 +152,7 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        pieces, owner = [], []
-        for i, t in enumerate(texts):
-            for p in split_for_encoding(t):
-                pieces.append(p)
-                owner.append(i)
-        out: list[list[int]] = [[] for _ in texts]
-        for i, ids in zip(owner, self._enc.encode_ordinary_batch(pieces), strict=True):
-            out[i].extend(ids)
-        return out
+        return encode_in_pieces(texts, self._enc.encode_ordinary_batch)
 
     def decode(self, ids: Iterable[int]) -> str:
         try:

@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,20 @@ def split_for_encoding(text: str, target_chars: int = ENCODE_CHUNK_CHARS) -> lis
     out.append(text[start:])
     return out
 
+
+
+def encode_in_pieces(texts: Sequence[str], encode_many: Callable[[list[str]], Iterable[list[int]]]) -> list[list[int]]:
+    """Encode each text by cutting it with :func:`split_for_encoding`, encoding all pieces in one
+    batch call (``encode_many``: list of pieces -> ids per piece) and joining each text's pieces."""
+    pieces, owner = [], []
+    for i, t in enumerate(texts):
+        for p in split_for_encoding(t):
+            pieces.append(p)
+            owner.append(i)
+    out: list[list[int]] = [[] for _ in texts]
+    for i, ids in zip(owner, encode_many(pieces), strict=True):
+        out[i].extend(ids)
+    return out
 
 class Tokenizer(ABC):
     """Common interface: ``name``, ``vocab_size``, ``eos_id``, ``encode``, ``decode``,
