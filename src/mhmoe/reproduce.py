@@ -73,44 +73,50 @@ def _icml(heads: int, experts: int = 8, hm: bool = True, mlp_layers: int = 1,
 
 
 V2_COLS = ("RedPajama", "Wiki", "C4")
+
+
+def _v2(red_pajama: float, wiki: float, c4: float) -> dict[str, float]:
+    """The v2 paper's perplexity columns."""
+    return dict(zip(V2_COLS, (red_pajama, wiki, c4), strict=True))
+
 # v2 paper, 100k steps (Tables 1, 2, 4, 5)
 SUITES: dict[str, list[Row]] = {
     "v2-table1": [
-        Row("Dense", _variant("dense"), dict(zip(V2_COLS, (12.13, 11.58, 16.21), strict=True))),
-        Row("SMoE", _variant("smoe"), dict(zip(V2_COLS, (10.90, 9.68, 14.35), strict=True)), "v2"),
-        Row("Fine-grained SMoE", _variant("fgmoe"), dict(zip(V2_COLS, (10.74, 9.38, 13.97), strict=True)), "v2"),
-        Row("MH-MoE (head=2)", _variant("mh2"), dict(zip(V2_COLS, (10.70, 9.26, 13.80), strict=True)), "v2"),
-        Row("MH-MoE (head=3)", _variant("mh3"), dict(zip(V2_COLS, (10.51, 9.18, 13.63), strict=True)), "v2"),
+        Row("Dense", _variant("dense"), _v2(12.13, 11.58, 16.21)),
+        Row("SMoE", _variant("smoe"), _v2(10.90, 9.68, 14.35), "v2"),
+        Row("Fine-grained SMoE", _variant("fgmoe"), _v2(10.74, 9.38, 13.97), "v2"),
+        Row("MH-MoE (head=2)", _variant("mh2"), _v2(10.70, 9.26, 13.80), "v2"),
+        Row("MH-MoE (head=3)", _variant("mh3"), _v2(10.51, 9.18, 13.63), "v2"),
     ],
     "v2-table2": [
-        Row("SMoE", _variant("smoe", True), dict(zip(V2_COLS, (10.66, 9.44, 14.30), strict=True)), "v2"),
-        Row("Fine-grained SMoE", _variant("fgmoe", True), dict(zip(V2_COLS, (10.41, 9.15, 13.78), strict=True)), "v2"),
-        Row("MH-MoE (head=2)", _variant("mh2", True), dict(zip(V2_COLS, (10.36, 8.79, 13.66), strict=True)), "v2"),
-        Row("MH-MoE (head=3)", _variant("mh3", True), dict(zip(V2_COLS, (10.28, 8.72, 13.49), strict=True)), "v2"),
+        Row("SMoE", _variant("smoe", True), _v2(10.66, 9.44, 14.30), "v2"),
+        Row("Fine-grained SMoE", _variant("fgmoe", True), _v2(10.41, 9.15, 13.78), "v2"),
+        Row("MH-MoE (head=2)", _variant("mh2", True), _v2(10.36, 8.79, 13.66), "v2"),
+        Row("MH-MoE (head=3)", _variant("mh3", True), _v2(10.28, 8.72, 13.49), "v2"),
     ],
     # BitNet b1.58 (1.58-bit weights, 8-bit activations), 100k steps; docs/BITNET.md
     "v2-table3": [
-        Row("Dense", _bitnet("dense"), dict(zip(V2_COLS, (30.04, 24.75, 33.55), strict=True))),
-        Row("SMoE", _bitnet("smoe"), dict(zip(V2_COLS, (26.78, 21.54, 29.73), strict=True)), "v2"),
-        Row("Fine-grained SMoE", _bitnet("fgmoe"), dict(zip(V2_COLS, (26.68, 21.42, 29.50), strict=True)), "v2"),
-        Row("MH-MoE (head=2)", _bitnet("mh2"), dict(zip(V2_COLS, (26.59, 21.11, 29.27), strict=True)), "v2"),
-        Row("MH-MoE (head=3)", _bitnet("mh3"), dict(zip(V2_COLS, (26.47, 21.06, 29.14), strict=True)), "v2"),
+        Row("Dense", _bitnet("dense"), _v2(30.04, 24.75, 33.55)),
+        Row("SMoE", _bitnet("smoe"), _v2(26.78, 21.54, 29.73), "v2"),
+        Row("Fine-grained SMoE", _bitnet("fgmoe"), _v2(26.68, 21.42, 29.50), "v2"),
+        Row("MH-MoE (head=2)", _bitnet("mh2"), _v2(26.59, 21.11, 29.27), "v2"),
+        Row("MH-MoE (head=3)", _bitnet("mh3"), _v2(26.47, 21.06, 29.14), "v2"),
     ],
     # 50k steps in the paper (Table 4 has no 100k column)
     "v2-table4": [
-        Row("SMoE", _variant("smoe"), dict(zip(V2_COLS, (11.87, 10.51, 15.63), strict=True))),
+        Row("SMoE", _variant("smoe"), _v2(11.87, 10.51, 15.63)),
         Row("SMoE + head & merge", _with("smoe", head_layer=True, merge_layer=True),
-            dict(zip(V2_COLS, (11.84, 10.48, 15.61), strict=True))),
-        Row("Fine-grained SMoE", _variant("fgmoe"), dict(zip(V2_COLS, (11.68, 10.18, 15.21), strict=True))),
+            _v2(11.84, 10.48, 15.61)),
+        Row("Fine-grained SMoE", _variant("fgmoe"), _v2(11.68, 10.18, 15.21)),
         Row("Fine-grained SMoE + head & merge", _with("fgmoe", head_layer=True, merge_layer=True),
-            dict(zip(V2_COLS, (11.67, 10.18, 15.19), strict=True))),
+            _v2(11.67, 10.18, 15.19)),
         Row("MH-MoE (head=2) w/o head & merge", _mh_no_head_merge, dict(zip(V2_COLS, (11.71, 10.16, 15.23),
                                                                              strict=True))),
-        Row("MH-MoE (head=2)", _variant("mh2"), dict(zip(V2_COLS, (11.46, 9.98, 14.89), strict=True))),
+        Row("MH-MoE (head=2)", _variant("mh2"), _v2(11.46, 9.98, 14.89)),
     ],
     "v2-table5": [
         Row(f"head {'✓' if h else '✗'} merge {'✓' if m else '✗'}", _with("mh2", head_layer=h, merge_layer=m),
-            dict(zip(V2_COLS, vals, strict=True)))
+            _v2(*vals))
         for (h, m), vals in {(False, False): (11.97, 10.40, 15.52), (True, False): (11.74, 10.18, 15.17),
                              (False, True): (11.84, 10.27, 15.36), (True, True): (11.60, 10.11, 15.11)}.items()
     ],

@@ -78,13 +78,18 @@ def load_jsonl(path: Path, field: str = "text") -> Corpus:
         if field not in row:
             keys = ", ".join(sorted(map(str, row))[:10]) or "none"
             raise DataError(f"{path}:{lineno}: field {field!r} missing (row has keys: {keys})")
-        text = row[field]
-        if not isinstance(text, str):
-            raise DataError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, expected a string")
-        text = text.replace("\r\n", "\n").strip()
-        if text:
-            docs.append(Document(f"{lineno:09d}", text))
+        _add_text(docs, row[field], f"{lineno:09d}", f"{path}:{lineno}: field {field!r}")
     return _corpus(path, field, docs, "jsonl file")
+
+
+def _add_text(docs: list[Document], value: object, doc_id: str, where: str) -> None:
+    """Append ``value`` as a document (normalised newlines, stripped; empty skipped); non-strings
+    are a DataError naming ``where``."""
+    if not isinstance(value, str):
+        raise DataError(f"{where} is {type(value).__name__}, expected a string")
+    text = value.replace("\r\n", "\n").strip()
+    if text:
+        docs.append(Document(doc_id, text))
 
 
 def load_parquet(path: Path, field: str = "text") -> Corpus:
@@ -105,13 +110,8 @@ def load_parquet(path: Path, field: str = "text") -> Corpus:
         raise DataError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
     docs = []
     for i, value in enumerate(column.to_pylist()):
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise DataError(f"{path}: row {i}: column {field!r} is {type(value).__name__}, expected a string")
-        text = value.replace("\r\n", "\n").strip()
-        if text:
-            docs.append(Document(f"{i:09d}", text))
+        if value is not None:
+            _add_text(docs, value, f"{i:09d}", f"{path}: row {i}: column {field!r}")
     return _corpus(path, field, docs, "parquet file")
 
 
