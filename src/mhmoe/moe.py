@@ -121,19 +121,27 @@ class MoELayer(nn.Module):
         if cap is not None:
             route.valid = apply_capacity(route.experts, route.valid, cap, self.cfg.n_experts)
             route.weights = route.weights * route.valid
-        out = choose_impl(self.cfg.impl, xs, self.experts)(xs, route, self.experts)
+        out = self.dispatch(xs, route)
         if self.shared is not None:
             sh = self.shared(xs)
             out = out + (sh if tmask is None else sh * tmask[:, None].to(sh.dtype))
         losses = self.router_losses(route, chosen)
         aux = (self.cfg.balance_loss_weight * losses["balance"] + self.cfg.z_loss_weight * losses["z"]
                + self.cfg.entropy_loss_weight * losses["entropy"])
-        stats = RoutingStats(
+        return FFNOutput(out.reshape(shape), aux, losses, self.routing_stats(route, chosen, losses), route)
+
+    def dispatch(self, xs: Tensor, route: RouterOutput) -> Tensor:
+        """Routed expert output xs [S, d_in] -> [S, d_in] (the ``cfg.impl`` path; expert parallelism
+        overrides this, see :mod:`mhmoe.distributed.expert_parallel`)."""
+        return choose_impl(self.cfg.impl, xs, self.experts)(xs, route, self.experts)
+
+    def routing_stats(self, route: RouterOutput, chosen: Tensor, losses: dict[str, Tensor]) -> RoutingStats:
+        """Detached statistics of this forward (``chosen`` = slots before capacity drops)."""
+        return RoutingStats(
             counts=route.counts.detach(), tokens=int(route.token_mask.sum()),
             dropped=int((chosen & ~route.valid).sum()),
             losses={k: float(v.detach()) for k, v in losses.items()},
         )
-        return FFNOutput(out.reshape(shape), aux, losses, stats, route)
 
     def router_losses(self, route: RouterOutput, chosen: Tensor) -> dict[str, Tensor]:
         """Unweighted aux losses over the routed (sub-)tokens; ``chosen`` = slots before drops."""

