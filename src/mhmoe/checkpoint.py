@@ -9,6 +9,10 @@ Layout of one checkpoint (``RUN/checkpoints/step_00000600/``)::
     tokenizer/            the tokenizer files (see mhmoe.data.Tokenizer.save)
     meta.json             step, format version and the sha256 of every file above (written last)
 
+Multi-process runs write sharded ``torch.distributed.checkpoint`` checkpoints instead (``dcp/`` in
+place of the safetensors and optimizer files, ``"format": "dcp"`` in meta.json); loading them here
+gathers the full model in one process (see :mod:`mhmoe.distributed.checkpoint`).
+
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash never
 leaves a half-written checkpoint under a real name. Loading verifies sizes and hashes; a corrupted
 or truncated checkpoint is reported in one line and the previous one is used instead.
@@ -138,6 +142,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
     """Load one verified checkpoint directory."""
     path = Path(path)
     meta = verify_checkpoint(path)
+    if meta.get("format") == "dcp":  # sharded (torch.distributed.checkpoint), see mhmoe.distributed.checkpoint
+        from mhmoe.distributed.checkpoint import load_dcp_single
+
+        return load_dcp_single(path, int(meta["step"]), device)
     try:
         run = RunConfig.load(path / "config.yaml")
         model = LM(run.model)

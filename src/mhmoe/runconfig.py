@@ -22,6 +22,7 @@ from mhmoe.model import ModelConfig
 SCHEDULES = ("linear", "cosine", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("auto", "none", "ddp", "fsdp")
 
 
 @dataclass
@@ -57,6 +58,11 @@ class TrainConfig:
     ckpt_every: int = 0  # 0 = only at the end
     keep_last: int = 2
     max_nan_skips: int = 5  # consecutive non-finite losses before the run stops
+    # scale-out (docs/DISTRIBUTED.md), launch properties taken from the command even on --resume:
+    # parallel: auto (ddp under torchrun with WORLD_SIZE > 1, else none) | none | ddp | fsdp (FSDP2);
+    # ep: expert-parallel group size (divides the world size and model.moe.n_experts; needs ddp)
+    parallel: str = "auto"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches", "keep_last"):
@@ -66,6 +72,9 @@ class TrainConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 0, f"train.{name}", v, "an integer >= 0")
         _check(isinstance(self.compile, bool), "train.compile", self.compile, "true | false")
+        _check(self.parallel in PARALLEL, "train.parallel", self.parallel, " | ".join(PARALLEL))
+        _check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
+               "an integer >= 1 (1 = no expert parallelism)")
         _check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         _check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))

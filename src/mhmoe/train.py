@@ -8,6 +8,7 @@ run stopped at step k and resumed produces the same losses, bit for bit, as an u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -120,6 +121,7 @@ class TrainResult:
     flops_per_token: float = 0.0
     nan_skips: int = 0
     wall_s: float = 0.0
+    rank: int = 0  # torchrun rank (only rank 0 writes metrics and results.json)
 
 
 class _Metrics:
@@ -179,67 +181,138 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
     """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint.
 
     ``stop_after`` ends the loop after that optimizer step (saving a checkpoint), as an interruption
-    would -- used to test exact resume.
+    would -- used to test exact resume. Under torchrun (``train.parallel`` ddp | fsdp, ``train.ep``)
+    every rank calls this; see :mod:`mhmoe.distributed` and docs/DISTRIBUTED.md.
     """
     run_dir = Path(run_dir)
     cfg = run.train
+    env = owns_pg = None
+    if parallel_mode(cfg) != "none":
+        import torch.distributed as dist
+
+        from mhmoe.distributed.env import init_distributed
+
+        owns_pg = not dist.is_initialized()
+        env = init_distributed(cfg.device, cfg.ep)
+    try:
+        return _train(run, run_dir, resume, progress, stop_after, env)
+    finally:
+        if owns_pg:
+            from mhmoe.distributed.env import teardown
+
+            teardown()
+
+
+def parallel_mode(cfg: TrainConfig) -> str:
+    """none | ddp | fsdp: ``train.parallel`` with ``auto`` resolved from the torchrun WORLD_SIZE."""
+    from mhmoe.distributed.env import env_world_size
+
+    world = env_world_size()
+    mode = cfg.parallel if cfg.parallel != "auto" else ("ddp" if world > 1 else "none")
+    if mode == "none" and world > 1:
+        raise ConfigError("train.parallel", cfg.parallel, f"ddp | fsdp (launched with WORLD_SIZE={world})")
+    if mode == "none" and cfg.ep > 1:
+        raise ConfigError("train.ep", cfg.ep, "1 without torchrun (expert parallelism needs several processes)")
+    return mode
+
+
+def _train(run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
+           env: Any) -> TrainResult:
+    cfg = run.train
+    rank0 = env is None or env.is_rank0
     ckpt = None
     if resume and list_checkpoints(run_dir):
-        ckpt = load_latest(run_dir)
-        print(f"mhmoe: resuming {run_dir} from step {ckpt.step} with the run's own config "
-              f"(only train.max_steps={cfg.max_steps} is taken from this command)", file=sys.stderr)
-        run = RunConfig.from_dict({**ckpt.run.to_dict(), "train": {**ckpt.run.train.__dict__,
-                                                                    "max_steps": cfg.max_steps}})
+        if env is None:
+            ckpt = load_latest(run_dir)
+        else:
+            from mhmoe.distributed.checkpoint import open_latest_dcp
+
+            ckpt = open_latest_dcp(run_dir)
+        if rank0:
+            print(f"mhmoe: resuming {run_dir} from step {ckpt.step} with the run's own config (only "
+                  f"train.max_steps={cfg.max_steps}, parallel and ep are taken from this command)", file=sys.stderr)
+        launch = {"max_steps": cfg.max_steps, "parallel": cfg.parallel, "ep": cfg.ep}
+        run = RunConfig.from_dict({**ckpt.run.to_dict(), "train": {**ckpt.run.train.__dict__, **launch}})
         cfg = run.train
     elif list_checkpoints(run_dir):
         raise ConfigError("--out", str(run_dir), "a new directory (it holds checkpoints: pass --resume to continue)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device) if env is None else env.device
     torch.manual_seed(cfg.seed)
-    data = prepare_data(run.data, seq_len=cfg.seq_len, tokenizer=ckpt.tokenizer if ckpt else None, progress=progress)
+    if env is not None and not rank0:
+        env.barrier()  # rank 0 tokenizes and fills the cache first
+    data = prepare_data(run.data, seq_len=cfg.seq_len, tokenizer=ckpt.tokenizer if ckpt else None,
+                        progress=progress and rank0)
+    if env is not None and rank0:
+        env.barrier()
     if run.model.vocab_size != data.tokenizer.vocab_size:
         run = RunConfig.from_dict({**run.to_dict(), "model": {**run.model.to_dict(),
                                                               "vocab_size": data.tokenizer.vocab_size}})
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
-    model = ckpt.model if ckpt else LM(run.model)
+    if rank0:
+        (run_dir / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
+    model = ckpt.model if ckpt and ckpt.model is not None else LM(run.model)
     model.to(device)
+    par = None
+    if env is not None:
+        from mhmoe.distributed.data_parallel import parallelize
+
+        par = parallelize(model, env, parallel_mode(cfg))
     optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     start, nan_total, nan_run, tokens_seen, train_s = 0, 0, 0, 0, 0.0
     if ckpt:
         st = ckpt.trainer_state
-        optimizer.load_state_dict(st["optimizer"])
+        if st is None:  # DCP: loaded straight into the sharded model and optimizer (resharding)
+            from mhmoe.distributed.checkpoint import load_dcp_into
+
+            st = load_dcp_into(ckpt.path, model, optimizer, par)
+        else:
+            optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
         torch.set_rng_state(st["rng_cpu"])
         if device.type == "cuda" and "rng_cuda" in st:
             torch.cuda.set_rng_state(st["rng_cuda"])
         start, nan_total, tokens_seen, train_s = st["step"], st["nan_total"], st["tokens_seen"], st["train_s"]
-    sampler = BatchSampler(data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    fwd = torch.compile(model) if cfg.compile else model
-    metrics = _Metrics(run_dir, start if ckpt else None)
-    result = TrainResult(run_dir, start, params=model.num_params())
+    world = 1 if env is None else env.world_size
+    sampler = BatchSampler(data.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                           rank=0 if env is None else env.rank, world_size=world)
+    fwd = model if par is None else par.module
+    fwd = torch.compile(fwd) if cfg.compile else fwd
+    metrics = _Metrics(run_dir, start if ckpt else None) if rank0 else None
+    n_params = model.num_params() + (0 if par is None else (env.ep - 1) * sum(p.numel() for p in par.expert_params))
+    result = TrainResult(run_dir, start, params=n_params, rank=0 if env is None else env.rank)
 
     def trainer_state(step: int) -> dict[str, Any]:
-        st = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        st = {"step": step, "scheduler": scheduler.state_dict(),
               "rng_cpu": torch.get_rng_state(), "nan_total": nan_total, "tokens_seen": tokens_seen,
               "train_s": train_s}
+        if par is None:
+            st = {"step": step, "optimizer": optimizer.state_dict(), **st}
         if device.type == "cuda":
             st["rng_cuda"] = torch.cuda.get_rng_state()
         return st
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(run_dir, step, model, run, data.tokenizer, trainer_state(step), cfg.keep_last)
+        if par is None:
+            save_checkpoint(run_dir, step, model, run, data.tokenizer, trainer_state(step), cfg.keep_last)
+        else:
+            from mhmoe.distributed.checkpoint import save_dcp_checkpoint
+
+            save_dcp_checkpoint(run_dir, step, model, optimizer, run, data.tokenizer, trainer_state(step),
+                                cfg.keep_last, par)
 
     def run_eval(step: int) -> dict[str, dict[str, float]]:
+        # every rank evaluates the same windows (EP and FSDP forwards are collectives); rank 0 logs
         res = evaluate(model, data.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        max_batches=cfg.eval_batches, device=device, dtype=cfg.dtype)
-        metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
-                     **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
+        if metrics is not None:
+            metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
+                         **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
         return res
 
-    bar = _progress(cfg.max_steps, start, progress)
+    bar = _progress(cfg.max_steps, start, progress and rank0)
     step = start
     window_t, window_tok = time.perf_counter(), 0
     try:
@@ -250,25 +323,32 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
             for micro in range(cfg.grad_accum):
                 x, y = sampler.get_batch(step, micro)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast_ctx(device, cfg.dtype):
-                    out = fwd(x, y)
-                loss = (out.loss + out.aux_loss) / cfg.grad_accum
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
+                with contextlib.nullcontext() if par is None else par.sync(micro == cfg.grad_accum - 1):
+                    with autocast_ctx(device, cfg.dtype):
+                        out = fwd(x, y)
+                    loss = (out.loss + out.aux_loss) / cfg.grad_accum
+                    if not torch.isfinite(loss):
+                        finite = False
+                        if par is None:  # ranks go on (collectives); the all-reduced norm skips the step
+                            break
+                    loss.backward()
                 lm_sum += float(out.loss.detach())
                 aux_sum += float(out.aux_loss.detach())
                 routing = _sum_routing(routing, out.routing)
             gnorm = None
-            if finite:  # a finite loss can still give non-finite gradients: skip those steps too
+            if par is not None:
+                par.finish_grads()
+                gnorm = par.clip_grad_norm(cfg.grad_clip or math.inf, extra_nonfinite=not finite)
+                finite = bool(torch.isfinite(gnorm))
+            elif finite:  # a finite loss can still give non-finite gradients: skip those steps too
                 gnorm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
                 finite = bool(torch.isfinite(gnorm))
             if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 nan_total, nan_run = nan_total + 1, nan_run + 1
-                print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
-                      f"({nan_run} in a row, {nan_total} total)", file=sys.stderr)
+                if rank0:
+                    print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
+                          f"({nan_run} in a row, {nan_total} total)", file=sys.stderr)
                 if nan_run > cfg.max_nan_skips:
                     raise RuntimeError(f"stopping: {nan_run} consecutive non-finite losses at step {step} "
                                        f"(train.max_nan_skips={cfg.max_nan_skips}); lower train.lr or use float32")
@@ -284,20 +364,23 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
             if routing:
                 model.balance_step(routing)
             step += 1
-            n_tok = cfg.tokens_per_step
+            n_tok = cfg.tokens_per_step * world
             tokens_seen += n_tok
             dt = time.perf_counter() - t0
             train_s += dt
             window_tok += n_tok
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
+                if par is not None:  # the global batch's mean losses
+                    lm_sum, aux_sum = par.all_mean([lm_sum, aux_sum])
                 now = time.perf_counter()
                 tps = window_tok / max(1e-9, now - window_t)
                 window_t, window_tok = now, 0
                 rec = {"step": step, "loss": lm_sum / cfg.grad_accum, "aux_loss": aux_sum / cfg.grad_accum, "lr": lr,
                        "grad_norm": None if gnorm is None else float(gnorm), "tokens_per_s": tps,
                        "tokens": tokens_seen, "nan_skips": nan_total, **routing_summary(routing or [], cfg.grad_accum)}
-                metrics.log(rec)
+                if metrics is not None:
+                    metrics.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
                 result.eval = run_eval(step)
@@ -307,23 +390,29 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
                 break
     except KeyboardInterrupt:
         bar.close()
-        if step > start and step < cfg.max_steps:
+        if par is None and step > start and step < cfg.max_steps:  # a sharded save needs every rank
             checkpoint(step)
             print(f"mhmoe: interrupted; checkpoint saved at step {step} (continue with --resume)", file=sys.stderr)
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         raise
     bar.close()
     if step > start or not list_checkpoints(run_dir):
         checkpoint(step)
     if step >= cfg.max_steps:
         result.eval = run_eval(step)
-    metrics.close()
     result.step, result.nan_skips = step, nan_total
     result.tokens_per_s = tokens_seen / max(1e-9, train_s)
     result.wall_s = train_s
-    result.flops_per_token = forward_flops_per_token(model, cfg.seq_len, device)
+    if metrics is None:
+        return result
+    metrics.close()
+    result.flops_per_token = forward_flops_per_token(model if par is None else LM(run.model),
+                                                     cfg.seq_len, device if par is None else "cpu")
     summary = {"preset": run.name, "step": step, "params": result.params, "fwd_flops_per_token": result.flops_per_token,
                "tokens_per_s": result.tokens_per_s, "train_s": train_s, "nan_skips": nan_total,
                "eval": result.eval}
+    if env is not None:
+        summary.update(world_size=env.world_size, parallel=par.mode, ep=env.ep)
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return result

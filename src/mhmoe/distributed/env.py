@@ -60,6 +60,9 @@ class DistEnv:
     def dp_rank(self) -> int:
         return self.rank // self.ep
 
+    def barrier(self) -> None:
+        dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
     def log0(self, msg: str) -> None:
         """Print ``msg`` to stderr on rank 0 only."""
         if self.is_rank0:

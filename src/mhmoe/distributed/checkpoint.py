@@ -1,0 +1,250 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): save from any world size, load at
+any other (DCP reshards by global tensor offsets), convert to / from the single-file safetensors format.
+
+Layout of a DCP checkpoint (same directory scheme as :mod:`mhmoe.checkpoint`)::
+
+    RUN/checkpoints/step_00000600/
+        dcp/               DCP files (.metadata + one __<rank>_0.distcp per writing rank) holding
+                           {"model": FQN -> tensor, "optim": FQN-keyed AdamW state}
+        config.yaml  tokenizer/  trainer_state.pt (step, scheduler, RNG, counters; no optimizer)
+        meta.json          {"format": "dcp", "world_size", "ep", "files": sha256 of every file}, last
+
+Expert parameters under expert parallelism are saved as DTensors on the ``("dp", "ep")`` mesh with
+placements ``[Replicate(), Shard(0)]`` (global shape [E, ...]); FSDP2 parameters are DTensors
+already; DDP parameters are plain replicated tensors (DCP writes one copy). All ranks write into a
+hidden temporary directory that rank 0 renames into place after the metadata is complete, so a
+crash never leaves a half-written checkpoint under a real name (a shared filesystem is assumed
+across nodes). :func:`mhmoe.checkpoint.load_checkpoint` reads DCP checkpoints in one process, so
+``eval``, ``generate`` and a single-process ``train --resume`` accept them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from mhmoe.checkpoint import (
+    CKPT_DIR,
+    FORMAT_VERSION,
+    PREFIX,
+    Checkpoint,
+    _files,
+    _sha256,
+    list_checkpoints,
+    load_checkpoint,
+    model_is_finite,
+)
+from mhmoe.errors import CheckpointError, ConfigError
+from mhmoe.model import LM
+from mhmoe.runconfig import RunConfig
+
+DCP_DIR = "dcp"
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) -> dict[str, Any]:
+    """{"model", "optim"} FQN-keyed state dicts; EP-local expert tensors wrapped as [Replicate, Shard(0)]
+    DTensors on the mesh (shared storage: loading into them writes the live tensors)."""
+    msd, osd = get_state_dict(model, optimizer)
+    names = set(par.expert_names) if par is not None else set()
+    if names:
+        mesh = par.env.mesh
+
+        def wrap(t: Tensor) -> Tensor:
+            return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
+
+        for n in names:
+            msd[n] = wrap(msd[n])
+            for k, v in osd["state"].get(n, {}).items():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    osd["state"][n][k] = wrap(v)
+    return {"model": msd, "optim": osd}
+
+
+def _unwrap(sd: dict[str, Any], names: set[str]) -> None:
+    for n in names:
+        sd["model"][n] = sd["model"][n].to_local()
+        for k, v in sd["optim"]["state"].get(n, {}).items():
+            if isinstance(v, DTensor):
+                sd["optim"]["state"][n][k] = v.to_local()
+
+
+def _agree(ok: bool, distributed: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank."""
+    if not distributed:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        run: RunConfig, tokenizer: Any, trainer_state: dict[str, Any], keep_last: int = 2,
+                        par: Any | None = None) -> Path:
+    """Write DCP checkpoint ``step`` (a collective: every rank calls it) and prune to ``keep_last``.
+
+    ``model``: the LM (FSDP2-sharded or with EP layers); ``par``: its ParallelModel (None in a single
+    process). ``trainer_state``: step, scheduler, RNG and counters (rank 0's is written).
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    if not _agree(model_is_finite(model), distributed):
+        raise CheckpointError(f"refusing to save step {step}: the model has non-finite parameters")
+    root = Path(run_dir) / CKPT_DIR
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-dcp"
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier()
+    dcp.save(_state(model, optimizer, par), checkpoint_id=str(tmp / DCP_DIR), no_dist=not distributed)
+    if distributed:
+        dist.barrier()
+    error = None
+    if rank0:
+        try:
+            (tmp / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
+            torch.save({k: v for k, v in trainer_state.items() if k != "optimizer"}, tmp / "trainer_state.pt")
+            tokenizer.save(tmp / "tokenizer")
+            meta = {"format_version": FORMAT_VERSION, "format": "dcp", "step": step,
+                    "world_size": dist.get_world_size() if distributed else 1,
+                    "ep": par.env.ep if par is not None else 1,
+                    "files": {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                              for p in _files(tmp)}}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException as exc:  # noqa: BLE001 -- reported on every rank below
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = exc
+    if not _agree(error is None, distributed):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"saving step {step} failed on rank 0")
+    return final
+
+
+def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  par: Any | None = None) -> dict[str, Any]:
+    """Load the model and optimizer state of DCP checkpoint ``path`` into the (parallelised) model
+    and optimizer, resharding as needed (a collective). Returns the trainer state (no optimizer)."""
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    sd = _state(model, optimizer, par)
+    dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not distributed)
+    _unwrap(sd, set(par.expert_names) if par is not None else set())
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+
+
+def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
+    """The newest valid checkpoint of ``run_dir`` for a multi-process resume, without loading tensors:
+    a Checkpoint with ``model=None`` and ``trainer_state=None`` (load them with :func:`load_dcp_into`).
+    A corrupted checkpoint falls back to the previous one, as :func:`mhmoe.checkpoint.load_latest` does."""
+    from mhmoe.checkpoint import verify_checkpoint
+    from mhmoe.data import Tokenizer
+
+    errors = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            meta = verify_checkpoint(path)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            continue
+        if meta.get("format") != "dcp":
+            raise ConfigError("--resume", str(path), "a DCP checkpoint when resuming under torchrun (convert this "
+                              "single-file one first: mhmoe convert-checkpoint --to dcp)")
+        return Checkpoint(path, int(meta["step"]), RunConfig.load(path / "config.yaml"), None,
+                          Tokenizer.load(path / "tokenizer"), None)
+    raise CheckpointError(f"{run_dir}: no valid checkpoint ({errors[0] if errors else 'none found'})")
+
+
+def read_dcp_full(path: str | Path) -> dict[str, Any]:
+    """All of a DCP checkpoint's tensors as full (unsharded) tensors, in this process (no process
+    group needed): ``{"model": {...}, "optim": {...}}``. Uses ``format_utils.dcp_to_torch_save``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="mhmoe-dcp-") as td:
+        out = Path(td) / "full.pt"
+        dcp_to_torch_save(str(Path(path) / DCP_DIR), str(out))
+        return torch.load(out, map_location="cpu", weights_only=True)
+
+
+def _index_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict:
+    """An FQN-keyed AdamW state dict (as saved) -> ``optimizer.state_dict()`` form (integer ids)."""
+    fqns: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        fqns.setdefault(id(p), []).append(n)
+    state, groups, i = {}, [], 0
+    for g, g_saved in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        ids = []
+        for p in g["params"]:
+            hit = [n for n in fqns[id(p)] if n in saved["state"]]
+            if hit:
+                state[i] = saved["state"][hit[0]]
+            ids.append(i)
+            i += 1
+        groups.append({**{k: v for k, v in g_saved.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "cpu") -> Checkpoint:
+    """A DCP checkpoint as a single-process :class:`~mhmoe.checkpoint.Checkpoint` (full model; the
+    trainer state carries the optimizer state in ``optimizer.state_dict()`` form)."""
+    from mhmoe.data import Tokenizer
+    from mhmoe.train import build_optimizer
+
+    path = Path(path)
+    try:
+        run = RunConfig.load(path / "config.yaml")
+        model = LM(run.model)
+        full = read_dcp_full(path)
+        missing, unexpected = model.load_state_dict(full["model"], strict=False)
+        if [m for m in missing if not m.startswith("rope_")] or unexpected:
+            raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]})")
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        state["optimizer"] = _index_optimizer_state(model, build_optimizer(model, run.train), full["optim"])
+        tokenizer = Tokenizer.load(path / "tokenizer")
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {exc})") from None
+    return Checkpoint(path, step, run, model.to(device), tokenizer, state)
+
+
+def dcp_to_safetensors(src: str | Path, out_run_dir: str | Path) -> Path:
+    """Convert DCP checkpoint ``src`` into a single-file checkpoint ``OUT/checkpoints/step_N``."""
+    from mhmoe.checkpoint import save_checkpoint
+
+    ck = load_checkpoint(src)
+    return save_checkpoint(out_run_dir, ck.step, ck.model, ck.run, ck.tokenizer, ck.trainer_state)
+
+
+def safetensors_to_dcp(src: str | Path, out_run_dir: str | Path) -> Path:
+    """Convert a checkpoint (single-file or DCP) into a DCP checkpoint ``OUT/checkpoints/step_N``,
+    in this process (run it before launching torchrun to resume a single-process run at scale)."""
+    from mhmoe.train import build_optimizer
+
+    if dist.is_available() and dist.is_initialized():
+        raise CheckpointError("safetensors_to_dcp runs in a single process (no process group)")
+    ck = load_checkpoint(src)
+    optimizer = build_optimizer(ck.model, ck.run.train)
+    if "optimizer" in ck.trainer_state:
+        optimizer.load_state_dict(ck.trainer_state["optimizer"])
+    return save_dcp_checkpoint(out_run_dir, ck.step, ck.model, optimizer, ck.run, ck.tokenizer, ck.trainer_state)
