@@ -8,8 +8,10 @@ Each test spawns its processes once and runs several cases inside them (process 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +147,121 @@ def _ep_perturbed_worker(rank: int, world: int) -> None:
     x = torch.randn(2 * world, 4, d)
     want = ref(x).out[rank * 2:(rank + 1) * 2]
     torch.testing.assert_close(ep(x[rank * 2:(rank + 1) * 2]).out, want, msg="output")
+
+
+# ---- (b) DDP / FSDP2 (+ EP) training == one process on the union batch ------------------------------------
+SMOE4 = MoEConfig(n_experts=4, top_k=2, d_expert=32, z_loss_weight=1e-3)
+TRAIN_CASES = {  # name -> (moe, train overrides); MHMOE is test_train's MH-MoE (6 experts, 3 heads)
+    "ddp": ("MHMOE", dict(parallel="ddp")),
+    "fsdp": ("MHMOE", dict(parallel="fsdp")),
+    "ddp-ep2-accum": (SMOE4, dict(parallel="ddp", ep=2, grad_accum=2, ckpt_every=3)),
+}
+
+
+def _case_run(root: Path, name: str, **override):
+    from test_train import MHMOE, tiny_run
+
+    moe, extra = TRAIN_CASES[name]
+    return tiny_run(root, MHMOE if moe == "MHMOE" else moe, **{**extra, **override})
+
+
+def _train_worker(rank: int, world: int, root: str) -> None:
+    from mhmoe.train import train
+
+    for name in TRAIN_CASES:
+        train(_case_run(Path(root), name), Path(root) / name, progress=False)
+
+
+def _union_sampler(monkeypatch, world: int = WORLD) -> None:
+    """Make the single-process sampler return the union of the ``world`` ranks' micro-batches, in rank order."""
+    from mhmoe.data import BatchSampler
+
+    original = BatchSampler.get_batch
+
+    def union(self, step, micro=0):
+        parts = [original(BatchSampler(self.tokens, batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed,
+                                       rank=r, world_size=world), step, micro) for r in range(world)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    monkeypatch.setattr(BatchSampler, "get_batch", union)
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """The three 2-process training runs (one spawn)."""
+    from test_train import write_corpus
+
+    root = tmp_path_factory.mktemp("dist")
+    write_corpus(root / "corpus")
+    spawn(_train_worker, str(root))
+    return root
+
+
+def _records(d: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_data_parallel_loss_curve_matches_single_process(dist_runs, tmp_path, monkeypatch, name):
+    from mhmoe.train import train
+
+    _union_sampler(monkeypatch)
+    ref_dir = tmp_path / "ref"
+    train(_case_run(dist_runs, name, parallel="none", ep=1), ref_dir, progress=False)
+    got, want = _records(dist_runs / name), _records(ref_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    for key in ("loss", "aux_loss", "grad_norm", "load_imbalance", "balance_loss"):
+        a, b = [r[key] for r in got], [r[key] for r in want]
+        assert a == pytest.approx(b, rel=2e-4, abs=1e-6), (name, key)
+    assert got[0]["tokens"] == WORLD * want[0]["tokens"]  # all ranks counted (the reference config says B rows)
+    summary = json.loads((dist_runs / name / "results.json").read_text())
+    assert summary["world_size"] == WORLD and summary["parallel"] == TRAIN_CASES[name][1]["parallel"]
+    assert summary["params"] == json.loads((ref_dir / "results.json").read_text())["params"]
+    assert summary["eval"]["corpus"]["loss"] == pytest.approx(
+        json.loads((ref_dir / "results.json").read_text())["eval"]["corpus"]["loss"], rel=1e-4)
+
+
+def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
+    """Without the union sampler (one process, its own batches) the curve differs: the comparison can fail."""
+    from mhmoe.train import train
+
+    train(_case_run(dist_runs, "ddp", parallel="none", batch_size=8), tmp_path / "plain", progress=False)
+    a, b = [r["loss"] for r in _records(dist_runs / "ddp")], [r["loss"] for r in _records(tmp_path / "plain")]
+    assert a != pytest.approx(b, rel=2e-4)
+
+
+# ---- (c) DCP checkpoint saved by 2 ranks (EP) loads in 1 process, converts, and training continues ----------
+def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_path, monkeypatch):
+    from mhmoe.checkpoint import list_checkpoints, load_latest
+    from mhmoe.distributed.checkpoint import dcp_to_safetensors, safetensors_to_dcp
+    from mhmoe.train import train
+
+    src = dist_runs / "ddp-ep2-accum"
+    assert [p.name for p in list_checkpoints(src)] == ["step_00000003", "step_00000006"]
+    meta = json.loads((list_checkpoints(src)[0] / "meta.json").read_text())
+    assert meta["format"] == "dcp" and meta["world_size"] == 2 and meta["ep"] == 2
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(list_checkpoints(src)[0], run_dir / "checkpoints" / "step_00000003")
+    for f in ("metrics.jsonl", "eval.jsonl"):
+        shutil.copy(src / f, run_dir / f)
+    # one process, the same global batches: steps 4..6 continue the 2-rank run's curve
+    _union_sampler(monkeypatch)
+    train(_case_run(dist_runs, "ddp-ep2-accum", parallel="none", ep=1), run_dir, resume=True, progress=False)
+    got, want = _records(run_dir), _records(src)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-4)
+    # the full expert stacks were reassembled from the two ranks' halves
+    ck = load_latest(run_dir)
+    assert ck.model.blocks[1].ffn.experts.w1.shape[0] == 4
+    # DCP (world 2) -> single-file safetensors -> DCP (world 1): same weights, loadable everywhere
+    dcp6 = list_checkpoints(src)[-1]
+    single = dcp_to_safetensors(dcp6, tmp_path / "st")
+    assert (single / "model.safetensors").is_file() and not (single / "dcp").exists()
+    a, b = load_latest(dcp6).model.state_dict(), load_latest(single).model.state_dict()
+    back = load_latest(safetensors_to_dcp(single, tmp_path / "dcp1")).model.state_dict()
+    assert a.keys() == b.keys() == back.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], back[k]), k

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,20 +64,20 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) 
         def wrap(t: Tensor) -> Tensor:
             return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
 
-        for n in names:
+        for n in names:  # new dicts: the per-parameter ones may be the optimizer's own state
             msd[n] = wrap(msd[n])
-            for k, v in osd["state"].get(n, {}).items():
-                if isinstance(v, Tensor) and v.dim() > 0:
-                    osd["state"][n][k] = wrap(v)
+            if n in osd["state"]:
+                osd["state"][n] = {k: wrap(v) if isinstance(v, Tensor) and v.dim() > 0 else v
+                                   for k, v in osd["state"][n].items()}
     return {"model": msd, "optim": osd}
 
 
 def _unwrap(sd: dict[str, Any], names: set[str]) -> None:
     for n in names:
         sd["model"][n] = sd["model"][n].to_local()
-        for k, v in sd["optim"]["state"].get(n, {}).items():
-            if isinstance(v, DTensor):
-                sd["optim"]["state"][n][k] = v.to_local()
+        if n in sd["optim"]["state"]:
+            sd["optim"]["state"][n] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                       for k, v in sd["optim"]["state"][n].items()}
 
 
 def _agree(ok: bool, distributed: bool) -> bool:
@@ -109,7 +110,9 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
         tmp.mkdir(parents=True)
     if distributed:
         dist.barrier()
-    dcp.save(_state(model, optimizer, par), checkpoint_id=str(tmp / DCP_DIR), no_dist=not distributed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
+        dcp.save(_state(model, optimizer, par), checkpoint_id=str(tmp / DCP_DIR), no_dist=not distributed)
     if distributed:
         dist.barrier()
     error = None
@@ -179,7 +182,8 @@ def read_dcp_full(path: str | Path) -> dict[str, Any]:
     group needed): ``{"model": {...}, "optim": {...}}``. Uses ``format_utils.dcp_to_torch_save``."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    with tempfile.TemporaryDirectory(prefix="mhmoe-dcp-") as td:
+    with tempfile.TemporaryDirectory(prefix="mhmoe-dcp-") as td, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
         out = Path(td) / "full.pt"
         dcp_to_torch_save(str(Path(path) / DCP_DIR), str(out))
         return torch.load(out, map_location="cpu", weights_only=True)
