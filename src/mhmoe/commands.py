@@ -23,6 +23,10 @@ def _load_run(args: argparse.Namespace):
         sets.append(f"data.corpus={args.data}")
     if getattr(args, "max_steps", None) is not None:  # --max-steps 0 is an error, not "use the default"
         sets.append(f"train.max_steps={args.max_steps}")
+    if getattr(args, "parallel", None) is not None:
+        sets.append(f"train.parallel={args.parallel}")
+    if getattr(args, "ep", None) is not None:
+        sets.append(f"train.ep={args.ep}")
     return run.with_overrides(sets) if sets else run
 
 
@@ -69,6 +73,9 @@ def _add_train(sub) -> None:
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3 (repeatable)")
+    p.add_argument("--parallel", help="under torchrun: ddp | fsdp (FSDP2) | none | auto (= train.parallel; "
+                   "auto: ddp when WORLD_SIZE > 1), docs/DISTRIBUTED.md")
+    p.add_argument("--ep", help="expert-parallel group size (= train.ep; divides the world size and the expert count)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     p.set_defaults(func=_run_train)
@@ -83,6 +90,8 @@ def _run_train(args) -> int:
     except RuntimeError as exc:  # e.g. too many NaN steps
         print(f"mhmoe train: {exc}", file=sys.stderr)
         return 1
+    if res.rank != 0:  # torchrun: rank 0 reports
+        return 0
     summary = json.loads((Path(args.out) / "results.json").read_text())
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -94,14 +103,21 @@ def _run_train(args) -> int:
 
 # ---- eval ------------------------------------------------------------------------------------------
 def _add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of a checkpoint on every validation set")
+    from mhmoe.commands_ecosystem import add_harness_args
+
+    p = sub.add_parser("eval", help="perplexity of a checkpoint on every validation set (--tasks: lm-eval tasks)")
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     p.add_argument("--batches", type=int, help="max evaluation batches per set (default: the run's)")
+    add_harness_args(p, tasks_required=False)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_eval)
 
 
 def _run_eval(args) -> int:
+    if args.tasks is not None:
+        from mhmoe.commands_ecosystem import run_eval_tasks
+
+        return run_eval_tasks(args)
     from mhmoe.checkpoint import load_latest
     from mhmoe.data import prepare_data
     from mhmoe.evaluate import evaluate
@@ -249,9 +265,13 @@ def _run_bench(args) -> int:
 
 # ---- export ----------------------------------------------------------------------------------------
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint (--bitnet: packed 2-bit ternary weights, docs/BITNET.md)")
-    p.add_argument("--bitnet", action="store_true",
-                   help="pack the ternary weights of a model.quant=bitnet158 checkpoint 4 per byte (required for now)")
+    p = sub.add_parser("export", help="export a checkpoint (--bitnet: packed 2-bit ternary weights, docs/BITNET.md; "
+                       "--hf: a transformers model directory)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--bitnet", action="store_true",
+                     help="pack the ternary weights of a model.quant=bitnet158 checkpoint 4 per byte")
+    fmt.add_argument("--hf", action="store_true", help="transformers from_pretrained directory (safetensors, "
+                     "config.json, tokenizer.json); OUT must not exist or be empty")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
     p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/)")
     p.add_argument("--float-dtype", default="float32", help="float32 | bfloat16: dtype of the unquantized tensors")
@@ -263,8 +283,12 @@ def _run_export(args) -> int:
     from mhmoe.bitnet_export import export_bitnet, load_packed
     from mhmoe.checkpoint import load_latest
 
+    if args.hf:
+        from mhmoe.commands_ecosystem import run_export_hf
+
+        return run_export_hf(args)
     if not args.bitnet:
-        raise ConfigError("export", "(no format)", "--bitnet (the only export format for now)")
+        raise ConfigError("export", "(no format)", "--bitnet | --hf")
     ck = load_latest(args.checkpoint, "cpu")
     out = Path(args.out)
     report = export_bitnet(ck.model, out, args.float_dtype)
@@ -289,5 +313,29 @@ def _run_export(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare, _add_bench, _add_export]
+# ---- convert-checkpoint ----------------------------------------------------------------------------
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert-checkpoint", help="convert a checkpoint between single-file safetensors and "
+                       "sharded torch.distributed.checkpoint (DCP)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="run directory to write OUT/checkpoints/step_N into")
+    p.add_argument("--to", required=True, help="safetensors | dcp")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from mhmoe.checkpoint import load_latest
+
+    if args.to not in ("safetensors", "dcp"):
+        raise ConfigError("--to", args.to, "safetensors | dcp")
+    from mhmoe.distributed.checkpoint import dcp_to_safetensors, safetensors_to_dcp
+
+    src = load_latest(args.checkpoint).path
+    out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, args.out)
+    print(f"{src} -> {out}")
+    return 0
+
+
+PARSER_BUILDERS = [_add_presets, _add_train, _add_eval, _add_generate, _add_compare, _add_bench, _add_export,
+                   _add_convert]
 __all__ = ["PARSER_BUILDERS", "format_table", "CheckpointError"]

@@ -19,6 +19,7 @@ but the last; the expert all-reduce runs once per optimizer step in :meth:`Paral
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -149,7 +150,11 @@ def parallelize(model: LM, env: DistEnv, mode: str) -> ParallelModel:
         if names:
             DDP._set_params_and_buffers_to_ignore_for_model(model, names)
         ids = [env.device.index] if env.device.type == "cuda" else None
-        module: nn.Module = DDP(model, device_ids=ids, broadcast_buffers=False)
+        # buffers (aux-free selection biases) stay identical on every rank: they are updated from the
+        # all-reduced expert counts, so no per-forward buffer broadcast
+        sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else {"broadcast_buffers": False}
+        module: nn.Module = DDP(model, device_ids=ids, **sync)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
