@@ -56,9 +56,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
     builders: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan_parser]
-    from mhmoe import commands, commands_research  # import torch only; heavy modules load per command
+    from mhmoe import commands, commands_ecosystem, commands_research  # torch only; heavy modules load per command
 
-    return builders + commands.PARSER_BUILDERS + commands_research.PARSER_BUILDERS
+    return builders + commands.PARSER_BUILDERS + commands_research.PARSER_BUILDERS + commands_ecosystem.PARSER_BUILDERS
 
 
 class _Parser(argparse.ArgumentParser):

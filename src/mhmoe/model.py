@@ -144,7 +144,12 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+        return self.layer_length(0)
+
+    def layer_length(self, layer: int) -> int:
+        """Cached positions of ``layer`` (layers fill one after another within a forward)."""
+        k = self.k[layer]
+        return 0 if k is None else k.shape[2]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.k[layer] is not None:
@@ -166,16 +171,23 @@ class Attention(nn.Module):
         # qkv input is already normalised by the block's pre-norm
         self.sub_norm = SubNorm(cfg.d_model, cfg.norm_eps) if quantized else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int,
+                key_mask: Tensor | None = None) -> Tensor:
+        """x [B, T, D]; key_mask [B, T_past + T] bool (False = padding key, never attended to)."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
-            past = 0 if cache.k[layer] is None else cache.k[layer].shape[2]
+            past = cache.layer_length(layer)
             k, v = cache.update(layer, k, v)
-        if past and T > 1:  # chunked prefill after a prefix: explicit causal mask with offset
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
+        if key_mask is not None or (past and T > 1):  # padding, or chunked prefill after a prefix
+            S = k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            if key_mask is not None:  # every query keeps its own key, so padded rows stay finite
+                diag = torch.zeros(T, S, dtype=torch.bool, device=x.device)
+                diag[:, S - T:] = torch.eye(T, dtype=torch.bool, device=x.device)
+                mask = (mask & key_mask[:, None, None, :].bool()) | diag
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
@@ -195,8 +207,8 @@ class Block(nn.Module):
         self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None,
-                layer: int) -> tuple[Tensor, FFNOutput]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+                layer: int, key_mask: Tensor | None = None) -> tuple[Tensor, FFNOutput]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, key_mask)
         f = self.ffn(self.ffn_norm(x), mask)
         return x + f.out, f
 
@@ -235,7 +247,10 @@ class LM(nn.Module):
                     m.reset_parameters(std, out_std)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, mask: Tensor | None = None,
-                cache: KVCache | None = None, return_routing: bool = False) -> LMOutput:
+                cache: KVCache | None = None, return_routing: bool = False,
+                key_mask: Tensor | None = None) -> LMOutput:
+        """idx/targets/mask [B, T]; key_mask [B, T_cached + T] bool marks padding keys (False) that no
+        query attends to (left-padded batches; RoPE is relative, so a row's pad offset cancels)."""
         if idx.dim() != 2:
             raise ValueError(f"invalid idx shape {tuple(idx.shape)}: allowed [B, T]")
         B, T = idx.shape
@@ -248,7 +263,7 @@ class LM(nn.Module):
         routing: list[RoutingStats] = []
         outputs: list[FFNOutput] = []
         for i, block in enumerate(self.blocks):
-            x, f = block(x, cos, sin, mask, cache, i)
+            x, f = block(x, cos, sin, mask, cache, i, key_mask)
             if block.is_moe:
                 aux = aux + f.aux_loss
                 if f.stats is not None:
