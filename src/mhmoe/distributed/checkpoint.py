@@ -10,7 +10,8 @@ Layout of a DCP checkpoint (same directory scheme as :mod:`mhmoe.checkpoint`)::
         meta.json          {"format": "dcp", "world_size", "ep", "files": sha256 of every file}, last
 
 Expert parameters under expert parallelism are saved as DTensors on the ``("dp", "ep")`` mesh with
-placements ``[Replicate(), Shard(0)]`` (global shape [E, ...]); FSDP2 parameters are DTensors
+placements ``[Replicate(), Shard(0)]`` (DDP) or on the ``("ep", "dp")`` mesh with ``[Shard(0), Shard(0)]``
+(FSDP2 shards each rank's experts over dp), global shape [E, ...]; other FSDP2 parameters are DTensors
 already; DDP parameters are plain replicated tensors (DCP writes one copy). All ranks write into a
 hidden temporary directory that rank 0 renames into place after the metadata is complete, so a
 crash never leaves a half-written checkpoint under a real name (a shared filesystem is assumed
@@ -62,6 +63,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) 
         mesh = par.env.mesh
 
         def wrap(t: Tensor) -> Tensor:
+            if isinstance(t, DTensor):  # FSDP2 + EP: a dp shard of this rank's experts -> ep outer, dp inner
+                return DTensor.from_local(t.to_local(), par.ep_dp_mesh, [Shard(0), Shard(0)], run_check=False)
             return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
 
         for n in names:  # new dicts: the per-parameter ones may be the optimizer's own state
@@ -72,11 +75,20 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) 
     return {"model": msd, "optim": osd}
 
 
-def _unwrap(sd: dict[str, Any], names: set[str]) -> None:
-    for n in names:
-        sd["model"][n] = sd["model"][n].to_local()
+def _unwrap(sd: dict[str, Any], par: Any | None) -> None:
+    """Undo the expert wrapping of :func:`_state`: local tensors (DDP), dp-mesh DTensors (FSDP2)."""
+    if par is None or not par.expert_names:
+        return
+
+    def unwrap(t: Tensor) -> Tensor:
+        if par.ep_dp_mesh is None:
+            return t.to_local()
+        return DTensor.from_local(t.to_local(), par.env.mesh["dp"], [Shard(0)], run_check=False)
+
+    for n in par.expert_names:
+        sd["model"][n] = unwrap(sd["model"][n])
         if n in sd["optim"]["state"]:
-            sd["optim"]["state"][n] = {k: v.to_local() if isinstance(v, DTensor) else v
+            sd["optim"]["state"][n] = {k: unwrap(v) if isinstance(v, DTensor) else v
                                        for k, v in sd["optim"]["state"][n].items()}
 
 
@@ -150,7 +162,7 @@ def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     distributed = dist.is_available() and dist.is_initialized()
     sd = _state(model, optimizer, par)
     dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not distributed)
-    _unwrap(sd, set(par.expert_names) if par is not None else set())
+    _unwrap(sd, par)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mhmoe.distributed.env import DistEnv
-from mhmoe.distributed.expert_parallel import apply_expert_parallel, expert_param_names
+from mhmoe.distributed.expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_param_names
 from mhmoe.errors import ConfigError
 from mhmoe.model import LM
 
@@ -47,6 +48,7 @@ class ParallelModel:
     mode: str
     stats_group: dist.ProcessGroup
     expert_names: list[str] = field(default_factory=list)
+    ep_dp_mesh: DeviceMesh | None = None  # FSDP2 + EP: ("ep", "dp") mesh describing the expert shards
 
     @property
     def expert_params(self) -> list[nn.Parameter]:
@@ -66,9 +68,10 @@ class ParallelModel:
             yield
 
     def finish_grads(self) -> None:
-        """After the last micro-step's backward: SUM expert gradients over dp, divide by W."""
+        """After the last micro-step's backward: SUM expert gradients over dp, divide by W (DDP; FSDP2
+        reduce-scatters them itself with a divide factor of W)."""
         params = self.expert_params
-        if not params:
+        if not params or self.mode == "fsdp":
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -123,11 +126,13 @@ def check_parallel(model: LM, mode: str, ep: int, world_size: int) -> None:
             raise ConfigError("train.ep", ep, "1 (the model has no MoE layers)")
         if model.cfg.moe.n_experts % ep:
             raise ConfigError("train.ep", ep, f"a divisor of model.moe.n_experts={model.cfg.moe.n_experts}")
-        if mode == "fsdp":
-            raise ConfigError("train.ep", ep, "1 with train.parallel=fsdp (FSDP2 + expert parallelism is not "
-                                              "supported yet: use train.parallel=ddp with ep > 1)")
     if world_size % ep:
         raise ConfigError("train.ep", ep, f"a divisor of the world size {world_size}")
+    if ep > 1 and model.cfg.moe.n_experts % ep == 0 and mode == "fsdp":
+        local, dp = model.cfg.moe.n_experts // ep, world_size // ep
+        if local % dp:
+            raise ConfigError("train.ep", ep, f"a value for which the {local} experts per rank divide evenly over "
+                                              f"the {dp} data-parallel ranks (FSDP2 shards them over dp)")
 
 
 def parallelize(model: LM, env: DistEnv, mode: str) -> ParallelModel:
@@ -157,11 +162,20 @@ def parallelize(model: LM, env: DistEnv, mode: str) -> ParallelModel:
         module: nn.Module = DDP(model, device_ids=ids, **sync)
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         world_mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("world",))
-        for block in model.blocks:
+        if names:  # EP: each rank's E/ep experts sharded over its dp group only; SUM over dp, / W
+            for m in model.modules():
+                if isinstance(m, ExpertParallelMoE) and m.ep_size > 1:
+                    fully_shard(m.experts, mesh=env.mesh["dp"])
+                    m.experts.set_gradient_divide_factor(float(env.world_size))
+                    for method in ("forward_sorted", "forward_grouped"):  # called directly by the EP dispatch
+                        register_fsdp_forward_method(m.experts, method)
+            # checkpoint layout of those shards: dim 0 split by ep (outer), then by dp
+            ep_dp_mesh = DeviceMesh(env.device.type, env.mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "dp"))
+        for block in model.blocks:  # parameters of already-sharded expert modules are left out
             fully_shard(block, mesh=world_mesh)
         fully_shard(model, mesh=world_mesh)
         module = model
-    return ParallelModel(module, model, env, mode, stats_group, names)
+    return ParallelModel(module, model, env, mode, stats_group, names, ep_dp_mesh if names and mode == "fsdp" else None)
