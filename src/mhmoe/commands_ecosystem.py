@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -52,38 +51,48 @@ def parse_tasks(spec: str) -> list[str]:
     return tasks
 
 
-def run_harness(model: Any, tokenizer: Any, tasks: list[str], *, limit: float | None = None, batch_size: int = 8,
-                num_fewshot: int | None = None, include_path: list[str] | None = None,
-                bootstrap_iters: int = 100) -> dict[str, dict[str, float]]:
-    """Run lm-eval ``tasks`` on an :class:`~mhmoe.model.LM` + tokenizer; ``{task: {metric: value}}``
-    (``metric_stderr`` entries where the harness computes them)."""
+def task_manager(tasks: list[str], include_path: list[str] | None = None) -> Any:
+    """An lm-eval ``TaskManager`` that knows ``tasks`` (our offline tasks + ``include_path`` + the
+    harness' own tasks); ConfigError naming the unknown ones."""
     _require("lm_eval")
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from mhmoe.lmeval import MHMoEHarnessLM
     from mhmoe.lmeval_tasks import task_dir
 
     for p in include_path or []:
         if not Path(p).is_dir():
             raise ConfigError("--include-path", p, "an existing directory of lm-eval task YAML files")
-    manager = TaskManager(include_path=[str(task_dir()), *(include_path or [])], verbosity="ERROR")
-    known = set(manager.all_tasks)
-    unknown = [t for t in tasks if t not in known]
+    paths = [str(task_dir()), *(include_path or [])]
+    manager = TaskManager(include_path=paths, include_defaults=False)  # local tasks only: fast to index
+    if not set(tasks) <= set(manager.all_tasks):  # standard tasks: index lm-eval's own task files too
+        manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in set(manager.all_tasks)]
     if unknown:
         raise ConfigError("--tasks", ",".join(unknown), "lm-eval task names (local: mhmoe_kjv_cloze, mhmoe_kjv_ppl; "
                           "see `lm_eval ls tasks`)")
+    return manager
+
+
+def run_harness(model: Any, tokenizer: Any, tasks: list[str], *, limit: float | None = None, batch_size: int = 8,
+                num_fewshot: int | None = None, include_path: list[str] | None = None,
+                bootstrap_iters: int = 100, manager: Any = None) -> dict[str, dict[str, float]]:
+    """Run lm-eval ``tasks`` on an :class:`~mhmoe.model.LM` + tokenizer; ``{task: {metric: value}}``
+    (``metric_stderr`` entries where the harness computes them)."""
+    manager = manager or task_manager(tasks, include_path)
+    import lm_eval
+
+    from mhmoe.lmeval import MHMoEHarnessLM
+
     lm = MHMoEHarnessLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                  bootstrap_iters=bootstrap_iters, log_samples=False, verbosity="ERROR")
+                                  bootstrap_iters=bootstrap_iters, log_samples=False)
     out: dict[str, dict[str, float]] = {}
     for task, metrics in (res or {}).get("results", {}).items():
         row = {}
         for key, value in metrics.items():
             if "," not in key or not isinstance(value, (int, float)):
                 continue
-            name = key.split(",", 1)[0]
-            row[name] = float(value) if not (isinstance(value, float) and math.isnan(value)) else float("nan")
+            row[key.split(",", 1)[0]] = float(value)  # "acc,none" -> "acc"; "N/A" stderrs are skipped
         out[task] = row
     return out
 
@@ -107,10 +116,11 @@ def run_eval_tasks(args: argparse.Namespace) -> int:
 
     tasks = parse_tasks(args.tasks)
     _check_harness_args(args)
+    manager = task_manager(tasks, args.include_path)
     ck = load_latest(args.checkpoint, "cpu")
     t0 = time.perf_counter()
     res = run_harness(ck.model, ck.tokenizer, tasks, limit=_limit(args.limit), batch_size=args.batch_size,
-                      num_fewshot=args.num_fewshot, include_path=args.include_path)
+                      num_fewshot=args.num_fewshot, manager=manager)
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "tasks": res,
                           "wall_s": time.perf_counter() - t0}, indent=2))
@@ -156,6 +166,7 @@ def _run_downstream(args) -> int:
     _check_harness_args(args)
     if args.labels and len(args.labels) != len(args.checkpoints):
         raise ConfigError("--labels", len(args.labels), f"one label per checkpoint ({len(args.checkpoints)})")
+    manager = task_manager(tasks, args.include_path)
     cks = [load_latest(c, "cpu") for c in args.checkpoints]  # all load before any evaluation
     rows, t_all = [], time.perf_counter()
     for i, ck in enumerate(cks):
@@ -163,7 +174,7 @@ def _run_downstream(args) -> int:
         print(f"[{label}] {ck.path}: {', '.join(tasks)}", file=sys.stderr)
         t0 = time.perf_counter()
         res = run_harness(ck.model, ck.tokenizer, tasks, limit=_limit(args.limit), batch_size=args.batch_size,
-                          num_fewshot=args.num_fewshot, include_path=args.include_path)
+                          num_fewshot=args.num_fewshot, manager=manager)
         rows.append({"model": label, "checkpoint": str(ck.path), "step": ck.step,
                      "params": sum(p.numel() for p in ck.model.parameters()), "tasks": res,
                      "wall_s": time.perf_counter() - t0})
