@@ -3,8 +3,12 @@
 :class:`MHMoEHarnessLM` scores requests with our own :class:`~mhmoe.model.LM` and tokenizer -- no
 transformers hub machinery, so the harness runs fully offline::
 
-    lm_eval --model mhmoe --model_args checkpoint=runs/x --tasks mhmoe_kjv_cloze --include_path DIR
-    mhmoe eval --checkpoint runs/x --tasks mhmoe_kjv_cloze,mhmoe_kjv_ppl      # the same, in-process
+    mhmoe eval --checkpoint runs/x --tasks mhmoe_kjv_cloze,mhmoe_kjv_ppl
+
+    import lm_eval, mhmoe.lmeval                      # the import registers the backend
+    lm_eval.simple_evaluate(model="mhmoe", model_args={"checkpoint": "runs/x"}, tasks=[...])
+
+(the ``lm_eval`` command line cannot import third-party backends; use the Python API or ``mhmoe eval``).
 
 Scoring (shapes: B batch, T <= max_seq_len, V vocabulary):
 
@@ -45,9 +49,10 @@ class MHMoEHarnessLM(TemplateLM):
     """lm-eval backend over our model: ``MHMoEHarnessLM(checkpoint=DIR)`` or ``(model=LM, tokenizer=Tokenizer)``."""
 
     def __init__(self, checkpoint: str | None = None, model: LM | None = None, tokenizer: Tokenizer | None = None,
-                 batch_size: int | str = 8, device: str = "cpu", max_length: int | str | None = None,
+                 batch_size: int | str | None = 8, device: str | None = "cpu", max_length: int | str | None = None,
                  **kwargs: Any) -> None:
         super().__init__()
+        device = device or "cpu"
         if (checkpoint is None) == (model is None):
             raise ValueError("mhmoe harness backend: give either checkpoint=DIR or model= and tokenizer=")
         if checkpoint is not None:
