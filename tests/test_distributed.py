@@ -288,3 +288,40 @@ def test_torchrun_cli_resumes_an_ep_checkpoint_with_fsdp(dist_runs, tmp_path):
     assert meta["step"] == 8 and meta["format"] == "dcp" and meta["ep"] == 1
     summary = json.loads((run_dir / "results.json").read_text())
     assert summary["parallel"] == "fsdp" and summary["world_size"] == 2
+
+
+# ---- bad settings: one-line errors naming the field (no processes needed) -----------------------------------
+def test_bad_parallel_settings_are_one_line_errors(monkeypatch, tmp_path, capsys):
+    from mhmoe.cli import main
+    from mhmoe.distributed.data_parallel import check_parallel
+    from mhmoe.errors import ConfigError
+    from mhmoe.model import LM, ModelConfig
+    from mhmoe.runconfig import TrainConfig
+    from mhmoe.train import parallel_mode
+
+    with pytest.raises(ConfigError, match=r"train.parallel='tp': allowed auto \| none \| ddp \| fsdp"):
+        TrainConfig(parallel="tp")
+    with pytest.raises(ConfigError, match="train.ep"):
+        TrainConfig(ep=0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert parallel_mode(TrainConfig()) == "none"
+    with pytest.raises(ConfigError, match="train.ep=2: allowed 1 without torchrun"):
+        parallel_mode(TrainConfig(ep=2))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parallel_mode(TrainConfig()) == "ddp"
+    with pytest.raises(ConfigError, match="train.parallel='none'"):
+        parallel_mode(TrainConfig(parallel="none"))
+    small = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=16, max_seq_len=16)
+    dense = LM(ModelConfig(**small, moe=MoEConfig(kind="dense", d_expert=16)))
+    with pytest.raises(ConfigError, match="no MoE layers"):
+        check_parallel(dense, "ddp", 2, 2)
+    moe = LM(ModelConfig(**small, moe=MoEConfig(n_experts=6, d_expert=8)))
+    with pytest.raises(ConfigError, match="n_experts=6"):
+        check_parallel(moe, "ddp", 4, 4)
+    with pytest.raises(ConfigError, match="divide evenly"):
+        check_parallel(moe, "fsdp", 2, 8)  # 3 experts per rank over 4 dp ranks
+    check_parallel(moe, "fsdp", 3, 6)  # 2 experts per rank over 2 dp ranks
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["train", "--preset", "tiny-smoe", "--out", str(tmp_path / "r"), "--ep", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.ep=2" in err[0]
