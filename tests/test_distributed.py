@@ -155,6 +155,8 @@ def _train_worker(rank: int, world: int, root: str) -> None:
 
     for name in TRAIN_CASES:
         train(_case_run(Path(root), name), Path(root) / name, progress=False)
+    # a single-process checkpoint (step 3) resumed by 2 ranks with EP: converted to DCP, resharded
+    train(_case_run(Path(root), "ddp-ep2-accum", max_steps=5), Path(root) / "single", resume=True, progress=False)
 
 
 def _union_sampler(monkeypatch, world: int = WORLD) -> None:
@@ -176,8 +178,14 @@ def dist_runs(tmp_path_factory):
     """The three 2-process training runs (one spawn)."""
     from test_train import write_corpus
 
+    from mhmoe.train import train
+
     root = tmp_path_factory.mktemp("dist")
     write_corpus(root / "corpus")
+    train(_case_run(root, "ddp-ep2-accum", parallel="none", ep=1, max_steps=3), root / "single", progress=False)
+    import shutil
+
+    shutil.copytree(root / "single", root / "single-copy")
     spawn(_train_worker, str(root))
     return root
 
@@ -325,3 +333,21 @@ def test_bad_parallel_settings_are_one_line_errors(monkeypatch, tmp_path, capsys
     assert main(["train", "--preset", "tiny-smoe", "--out", str(tmp_path / "r"), "--ep", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.ep=2" in err[0]
+
+
+def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatch):
+    """1 -> 2 ranks: the 2-rank DDP + EP resume of a single-file checkpoint continues exactly like one
+    process resuming it on the union batches."""
+    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.train import train
+
+    got = _records(dist_runs / "single")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert json.loads((list_checkpoints(dist_runs / "single")[-1] / "meta.json").read_text())["format"] == "dcp"
+    assert not (dist_runs / "single" / ".dcp-resume").exists()  # the converted copy was removed
+    _union_sampler(monkeypatch)
+    ref = dist_runs / "single-copy"
+    train(_case_run(dist_runs, "ddp-ep2-accum", parallel="none", ep=1, max_steps=5), ref, resume=True, progress=False)
+    want = _records(ref)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-4)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=2e-4)

@@ -47,11 +47,12 @@ from mhmoe.checkpoint import (
     load_checkpoint,
     model_is_finite,
 )
-from mhmoe.errors import CheckpointError, ConfigError
+from mhmoe.errors import CheckpointError
 from mhmoe.model import LM
 from mhmoe.runconfig import RunConfig
 
 DCP_DIR = "dcp"
+CONVERT_DIR = ".dcp-resume"  # RUN/.dcp-resume/: a single-file checkpoint converted for a torchrun resume
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) -> dict[str, Any]:
@@ -104,13 +105,14 @@ def _agree(ok: bool, distributed: bool) -> bool:
 
 def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                         run: RunConfig, tokenizer: Any, trainer_state: dict[str, Any], keep_last: int = 2,
-                        par: Any | None = None) -> Path:
+                        par: Any | None = None, no_dist: bool = False) -> Path:
     """Write DCP checkpoint ``step`` (a collective: every rank calls it) and prune to ``keep_last``.
 
     ``model``: the LM (FSDP2-sharded or with EP layers); ``par``: its ParallelModel (None in a single
     process). ``trainer_state``: step, scheduler, RNG and counters (rank 0's is written).
+    ``no_dist``: this process alone writes a full (unsharded) model, even inside a process group.
     """
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = not no_dist and dist.is_available() and dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     if not _agree(model_is_finite(model), distributed):
         raise CheckpointError(f"refusing to save step {step}: the model has non-finite parameters")
@@ -164,7 +166,13 @@ def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not distributed)
     _unwrap(sd, par)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    if path.parent.parent.name == CONVERT_DIR:  # a converted single-file checkpoint: done with it
+        if distributed:
+            dist.barrier()
+        if not distributed or dist.get_rank() == 0:
+            shutil.rmtree(path.parent.parent, ignore_errors=True)
+    return state
 
 
 def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
@@ -181,9 +189,18 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
         except CheckpointError as exc:
             errors.append(str(exc))
             continue
-        if meta.get("format") != "dcp":
-            raise ConfigError("--resume", str(path), "a DCP checkpoint when resuming under torchrun (convert this "
-                              "single-file one first: mhmoe convert-checkpoint --to dcp)")
+        if meta.get("format") != "dcp":  # a single-process checkpoint: rank 0 converts it to DCP first
+            conv = Path(run_dir) / CONVERT_DIR
+            error = None
+            if dist.get_rank() == 0:
+                try:
+                    shutil.rmtree(conv, ignore_errors=True)
+                    path = _to_dcp(path, conv, no_dist=True)
+                except Exception as exc:  # noqa: BLE001 -- reported on every rank below
+                    error = exc
+            if not _agree(error is None, True):
+                raise error if error is not None else CheckpointError(f"{path}: conversion to DCP failed on rank 0")
+            path = list_checkpoints(conv)[-1]
         return Checkpoint(path, int(meta["step"]), RunConfig.load(path / "config.yaml"), None,
                           Tokenizer.load(path / "tokenizer"), None)
     raise CheckpointError(f"{run_dir}: no valid checkpoint ({errors[0] if errors else 'none found'})")
@@ -254,13 +271,18 @@ def dcp_to_safetensors(src: str | Path, out_run_dir: str | Path) -> Path:
 
 def safetensors_to_dcp(src: str | Path, out_run_dir: str | Path) -> Path:
     """Convert a checkpoint (single-file or DCP) into a DCP checkpoint ``OUT/checkpoints/step_N``,
-    in this process (run it before launching torchrun to resume a single-process run at scale)."""
-    from mhmoe.train import build_optimizer
-
+    in this process (``train --resume`` under torchrun does this by itself for a single-file one)."""
     if dist.is_available() and dist.is_initialized():
         raise CheckpointError("safetensors_to_dcp runs in a single process (no process group)")
+    return _to_dcp(src, out_run_dir)
+
+
+def _to_dcp(src: str | Path, out_run_dir: str | Path, no_dist: bool = False) -> Path:
+    from mhmoe.train import build_optimizer
+
     ck = load_checkpoint(src)
     optimizer = build_optimizer(ck.model, ck.run.train)
     if "optimizer" in ck.trainer_state:
         optimizer.load_state_dict(ck.trainer_state["optimizer"])
-    return save_dcp_checkpoint(out_run_dir, ck.step, ck.model, optimizer, ck.run, ck.tokenizer, ck.trainer_state)
+    return save_dcp_checkpoint(out_run_dir, ck.step, ck.model, optimizer, ck.run, ck.tokenizer, ck.trainer_state,
+                               no_dist=no_dist)
