@@ -43,9 +43,9 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in WORLD gloo processes; a failure in any of them fails the test."""
-    torch.multiprocessing.spawn(_entry, args=(WORLD, _free_port(), fn, args), nprocs=WORLD, join=True)
+def spawn(fn, *args, world: int = WORLD) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; a failure in any of them fails the test."""
+    torch.multiprocessing.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
 
 
 # ---- (a) expert parallelism == the single-process layer --------------------------------------------------
@@ -142,11 +142,16 @@ TRAIN_CASES = {  # name -> (moe, train overrides); MHMOE is test_train's MH-MoE 
                  dict(parallel="fsdp", ep=2, grad_accum=2)),
 }
 
+SLOW_CASES = {  # 4 processes, dp x ep = 2 x 2: 4 experts per rank, FSDP2 shards them over the 2 dp ranks
+    "mh-8": (MoEConfig(n_experts=8, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True),
+             dict(ep=2, grad_accum=2)),
+}
+
 
 def _case_run(root: Path, name: str, **override):
     from test_train import MHMOE, tiny_run
 
-    moe, extra = TRAIN_CASES[name]
+    moe, extra = {**TRAIN_CASES, **SLOW_CASES}[name]
     return tiny_run(root, MHMOE if moe == "MHMOE" else moe, **{**extra, **override})
 
 
@@ -351,3 +356,30 @@ def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatc
     want = _records(ref)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-4)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=2e-4)
+
+
+# ---- dp x ep = 2 x 2 (4 processes): expert gradients reduced over the dp group -------------------------------
+def _dp_ep_worker(rank: int, world: int, root: str) -> None:
+    from mhmoe.train import train
+
+    for mode in ("ddp", "fsdp"):
+        train(_case_run(Path(root), "mh-8", parallel=mode), Path(root) / f"{mode}-2x2", progress=False)
+
+
+@pytest.mark.slow
+def test_dp2_x_ep2_matches_single_process(tmp_path, monkeypatch):
+    """4 ranks on the ("dp", "ep") = (2, 2) mesh: 4 experts per rank, replicated (DDP) or sharded (FSDP2)
+    over the 2 dp ranks; the loss curve equals one process on the union of the 4 ranks' batches."""
+    from test_train import write_corpus
+
+    from mhmoe.train import train
+
+    write_corpus(tmp_path / "corpus")
+    spawn(_dp_ep_worker, str(tmp_path), world=4)
+    _union_sampler(monkeypatch, world=4)
+    train(_case_run(tmp_path, "mh-8", parallel="none", ep=1), tmp_path / "ref", progress=False)
+    want = _records(tmp_path / "ref")
+    for mode in ("ddp", "fsdp"):
+        got = _records(tmp_path / f"{mode}-2x2")
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=2e-4), (mode, key)

@@ -68,10 +68,16 @@ class ParallelModel:
             yield
 
     def finish_grads(self) -> None:
-        """After the last micro-step's backward: SUM expert gradients over dp, divide by W (DDP; FSDP2
-        reduce-scatters them itself with a divide factor of W)."""
+        """After the last micro-step's backward: expert gradients = SUM over dp / W. DDP: all-reduce
+        here; FSDP2 already reduce-scattered the mean over dp, so only the 1/ep factor remains (a
+        custom FSDP2 divide factor would need NCCL's PREMUL_SUM, which gloo lacks)."""
         params = self.expert_params
-        if not params or self.mode == "fsdp":
+        if not params:
+            return
+        if self.mode == "fsdp":
+            grads = [p.grad.to_local() for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / self.env.ep)
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -168,8 +174,7 @@ def parallelize(model: LM, env: DistEnv, mode: str) -> ParallelModel:
         if names:  # EP: each rank's E/ep experts sharded over its dp group only; SUM over dp, / W
             for m in model.modules():
                 if isinstance(m, ExpertParallelMoE) and m.ep_size > 1:
-                    fully_shard(m.experts, mesh=env.mesh["dp"])
-                    m.experts.set_gradient_divide_factor(float(env.world_size))
+                    fully_shard(m.experts, mesh=env.mesh["dp"])  # mean over dp; finish_grads: / ep
                     for method in ("forward_sorted", "forward_grouped"):  # called directly by the EP dispatch
                         register_fsdp_forward_method(m.experts, method)
             # checkpoint layout of those shards: dim 0 split by ep (outer), then by dp
