@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mhmoe.cli import main
 
 
@@ -19,3 +21,37 @@ def test_bench_moe_json_schema(tmp_path, capsys):
         assert r["ratio_dense"] == r["ms_dense"] / r["ms_ours"] and r["tokens"] == 32
     assert "| smoe | float32 | fwd |" in capsys.readouterr().out
     assert main(["bench", "moe", "--configs", "huge"]) == 2
+
+
+def test_bench_peers_rows(tmp_path):
+    """Peers (the `bench` extra) get their own columns where they can express the config (top-2 here)."""
+    from mhmoe.bench_peers import installed_peers
+
+    peers = installed_peers()
+    if not peers:
+        pytest.skip("no peer MoE package installed (pip install 'mhmoe[bench]')")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "moe", "--configs", "fgmoe", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
+                 "--no-loop", "--peers", *peers, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["machine"]["peers"]) == set(peers)
+    for r in data["rows"]:
+        for p in peers:
+            assert r[f"ms_peer_{p}"] > 0 and r[f"ratio_peer_{p}"] == r[f"ms_peer_{p}"] / r["ms_ours"]
+    assert main(["bench", "moe", "--peers", "nope"]) == 2
+
+
+@pytest.mark.parametrize("heads, k", [(1, 2), (2, 2), (3, 3)])
+def test_peer_layer_shapes_and_grads(heads, k):
+    pytest.importorskip("st_moe_pytorch")
+    import torch
+
+    from mhmoe.bench_peers import build_peer
+
+    layer = build_peer("st_moe", 48, 6, 32, k, heads, group=8)
+    x = torch.randn(16, 48, requires_grad=True)
+    out = layer(x)
+    assert out.out.shape == (16, 48)
+    (out.out.sum() + out.aux_loss).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert build_peer("st_moe", 48, 6, 32, 1, heads, group=8) is None  # top-1: not expressible

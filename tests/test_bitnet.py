@@ -147,7 +147,7 @@ def _run(layer, x, mask):
     return out, x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("impl", ["sorted", "grouped_mm", "fused"])
+@pytest.mark.parametrize("impl", ["padded", "sorted", "grouped_mm", "fused"])
 @pytest.mark.parametrize("ffn, heads, k, cf, shared", [("swiglu", 1, 2, None, 0), ("relu", 2, 2, 1.0, 1),
                                                        ("swiglu", 3, 3, None, 2)])
 def test_dispatch_paths_match_loop_oracle_quantized(impl, ffn, heads, k, cf, shared):

@@ -37,7 +37,7 @@ CASES = [
 
 @pytest.mark.parametrize("router, k, cf, heads, masked", CASES)
 @pytest.mark.parametrize("ffn", ["swiglu", "relu"])
-@pytest.mark.parametrize("impl", ["sorted", "grouped_mm", "fused"])
+@pytest.mark.parametrize("impl", ["padded", "sorted", "grouped_mm", "fused"])
 def test_dispatch_paths_match_loop_oracle(router, k, cf, heads, masked, ffn, impl):
     gen = torch.Generator().manual_seed(sum(map(ord, f"{router}{k}{heads}{ffn}")))
     B, T = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(3, 9, (1,), generator=gen))

@@ -26,6 +26,7 @@ from mhmoe.experts import DenseFFN
 from mhmoe.moe import build_ffn_layer
 
 D_MODEL = 768
+PEER_GROUP = 1024  # tokens per sequence for the peers (their expert capacity is per sequence)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ PASSES = ("fwd", "fwd_bwd")
 
 def available_impls(device: torch.device) -> list[str]:
     """Our execution paths usable on ``device`` (the loop oracle is measured separately)."""
-    return ["fused", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+    return ["padded", "fused", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -113,7 +114,7 @@ def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                 passes: tuple[str, ...] = PASSES, with_loop: bool = True) -> list[dict]:
+                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = ()) -> list[dict]:
     torch.manual_seed(0)
     x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype)
     layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
@@ -128,6 +129,14 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
     if with_loop:
         loop = build_ffn_layer(D_MODEL, cfg.moe_config("loop")).to(device, dtype)
         loop.load_state_dict(first.state_dict())
+    peer_layers = {}
+    for name in peers:
+        from mhmoe.bench_peers import build_peer
+
+        layer = build_peer(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, PEER_GROUP
+                           if tokens % PEER_GROUP == 0 else tokens)
+        if layer is not None:
+            peer_layers[name] = layer.to(device, dtype)
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
@@ -141,24 +150,35 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row["ms_loop"] = time_fn(_runner(loop, x, pass_), device, repeats) if loop is not None else None
         row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
         row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
+        for name, layer in peer_layers.items():
+            row[f"ms_peer_{name}"] = time_fn(_runner(layer, x, pass_), device, repeats)
+            row[f"ratio_peer_{name}"] = row[f"ms_peer_{name}"] / row["ms_ours"]
         rows.append(row)
     return rows
 
 
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
-                  with_loop: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+                  with_loop: bool = True, progress: Callable[[str], None] | None = None,
+                  peers: tuple[str, ...] = ()) -> dict:
+    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.bench_peers.installed_peers`."""
     dev = torch.device(device)
     rows: list[dict] = []
     for name in configs:
         for dt in dtypes:
             if progress:
                 progress(f"{name} {dt}")
-            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop)
+            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
+                                 peers=tuple(peers))
     smoe = {(r["dtype"], r["pass"]): r["ms_ours"] for r in rows if r["config"] == "smoe"}
     for r in rows:
         base = smoe.get((r["dtype"], r["pass"]))
         r["ratio_vs_smoe"] = r["ms_ours"] / base if base else None
-    return {"machine": machine_info(dev), "rows": rows}
+    machine = machine_info(dev)
+    if peers:
+        from mhmoe.bench_peers import peer_info
+
+        machine["peers"] = peer_info()
+    return {"machine": machine, "rows": rows}
 
 
 def format_rows(result: dict) -> str:

@@ -238,6 +238,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
+    p.add_argument("--peers", nargs="*", default=None, metavar="PEER",
+                   help="peer MoE libraries to time (st_moe, moe; default: those installed -- the `bench` extra); "
+                   "--peers with no name skips them")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
     p.set_defaults(func=_run_bench)
 
@@ -250,9 +253,15 @@ def _run_bench(args) -> int:
     if bad or args.tokens < 1 or args.repeats < 1:
         raise ConfigError("bench", bad or (args.tokens, args.repeats),
                           f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
+    from mhmoe.bench_peers import installed_peers
+
+    peers = installed_peers() if args.peers is None else args.peers
+    missing = [p for p in peers if p not in installed_peers()]
+    if missing:
+        raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench]')")
     device = resolve_device(args.device)
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
-                           with_loop=not args.no_loop,
+                           with_loop=not args.no_loop, peers=tuple(peers),
                            progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
     if args.json == "-":
         print(json.dumps(result, indent=2))

@@ -11,6 +11,10 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   order and combined with a weighted sum over the K slots (no atomics).
 - ``grouped_mm`` (:func:`grouped_moe`): the same grouping, but all experts' GEMMs run in one
   ``torch._grouped_mm`` call per matrix with device-side offsets -- no host synchronisation.
+- ``padded`` (:func:`padded_moe`): the same grouping, rows placed in per-expert blocks of equal size
+  C = the largest expert's row count (zero padding), all experts run as three batched GEMMs
+  (``torch.bmm``). One host sync (C); no per-expert Python loop, no cat/stack of outputs or weight
+  gradients, element-wise SwiGLU in one pass. Costs E*C/N - 1 padding work (N routed rows).
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device/dtype from the measurements in docs/PERFORMANCE.md.
 
@@ -88,6 +92,31 @@ def _combine(rows: Tensor, order: Tensor, route: RouterOutput) -> Tensor:
     return (slots.view(S, K, -1) * route.weights.to(rows.dtype)[:, :, None]).sum(1)
 
 
+def padded_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """Dropless dispatch on zero-padded per-expert blocks with batched GEMMs. x: [S, D_in] -> [S, D_in]."""
+    S, K = route.experts.shape
+    E = experts.n_experts
+    key = torch.where(route.valid, route.experts, E).reshape(-1)  # [S*K], E = not dispatched
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    C = int(counts.max()) if S * K else 0  # the one host sync
+    if C == 0:
+        return x.new_zeros(x.shape)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    live = sorted_key < E
+    starts = torch.cumsum(counts, 0) - counts
+    # padded row of every sorted slot; slots past the dispatched ones point at row 0 and are masked below
+    dest = torch.where(live, sorted_key.clamp_max(E - 1) * C + torch.arange(S * K, device=x.device)
+                       - starts[sorted_key.clamp_max(E - 1)], 0)
+    n = int(counts.sum())  # == live.sum(); live slots come first in the stable sort
+    xp = x.new_zeros(E * C, x.shape[1]).index_put((dest[:n],), x[order[:n] // K])
+    y = experts.forward_padded(xp.view(E, C, -1)).view(E * C, -1)  # [E*C, D_in]
+    slot_row = torch.empty_like(dest)
+    slot_row[order] = dest  # [S*K]: padded row holding each slot's output
+    w = torch.where(route.valid, route.weights, 0).to(y.dtype)  # invalid slots read row 0 with weight 0
+    return (y.index_select(0, slot_row).view(S, K, -1) * w[:, :, None]).sum(1)
+
+
 def grouped_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
     """Dropless grouped GEMM dispatch (``torch._grouped_mm``), no device-to-host sync."""
     S, K = route.experts.shape
@@ -123,6 +152,8 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         return loop_moe
     if impl == "grouped_mm":
         return grouped_moe
+    if impl == "padded":
+        return padded_moe
     if impl == "fused" and not experts.quantized:
         from mhmoe.fused import fused_moe
 

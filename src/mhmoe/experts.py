@@ -34,6 +34,9 @@ def ffn_forward(
 ) -> Tensor:
     """One FFN on rows x [N, D_in] with w1 [D_in, F], w2 [F, D_in], w3 [D_in, F] (SwiGLU) or None.
 
+    Also batched over experts: x [E, C, D_in], weights [E, D_in, F] / [E, F, D_in], biases and
+    ``sub_norm`` [E, 1, X] (``@`` is then ``torch.bmm``).
+
     Quantized experts pass their (already quantized) weights, ``sub_norm`` [F] (the RMSNorm weight
     applied to the hidden rows before W2) and ``act_quant=True`` (8-bit rows before W1/W3 and W2).
     """
@@ -133,6 +136,18 @@ class GroupedExperts(nn.Module):
         if not outs:
             return x_sorted.new_zeros(x_sorted.shape)
         return torch.cat(outs, 0)
+
+    def forward_padded(self, x_padded: Tensor) -> Tensor:
+        """All experts as batched GEMMs (``torch.bmm``) on equal-sized, zero-padded blocks.
+
+        x_padded: [E, C, D_in] -- expert e's rows in ``x_padded[e]``, padding rows zero. Returns
+        [E, C, D_in]. Padding rows give finite outputs (zero for bias-free experts) that the caller
+        discards; the weight gradients come out of the batched GEMM already stacked [E, D_in, F].
+        """
+        w1, w2, w3, b1, b2, b3 = self.effective_weights()
+        per_expert = lambda t: None if t is None else t[:, None, :]  # noqa: E731 -- [E, X] -> [E, 1, X]
+        return ffn_forward(x_padded, w1, w2, w3, per_expert(b1), per_expert(b2), per_expert(b3),
+                           per_expert(self.sub_norm), act_quant=self.quantized)
 
     def forward_grouped(self, x_sorted: Tensor, offsets: Tensor, expert_of_row: Tensor | None = None) -> Tensor:
         """Grouped-GEMM version of :meth:`forward_sorted` with ``torch._grouped_mm``.

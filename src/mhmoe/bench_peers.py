@@ -1,0 +1,103 @@
+"""Peer MoE layers from PyPI for ``mhmoe bench moe --peers`` (the optional ``bench`` extra).
+
+- ``st_moe`` -- ``st-moe-pytorch`` (lucidrains' ST-MoE): ``TopNGating`` (top-n >= 2) with GShard
+  capacity (train factor 1.25) and one-hot dispatch/combine einsums; GEGLU experts in a ModuleList,
+  hidden width ``int(dim * mult * 2/3)`` -- we pick ``mult`` so it equals our expert width F.
+- ``moe`` -- ``mixture-of-experts`` (lucidrains' port of tensor2tensor's MoE): ``Top2Gating`` only,
+  capacity factor 1.25, one-hot dispatch; its experts are replaced by a stacked SwiGLU of our shape
+  (the package accepts an ``experts`` module), so only its routing/dispatch machinery is measured.
+
+Both peers use their library defaults except: every top-n slot is dispatched (second-expert
+threshold 0 / policy ``all``) so they do the same expert work as our dropless layer, up to their
+capacity drops. MH-MoE configs wrap the peer in our head/merge projections and token split.
+Tokens are grouped into sequences of ``group`` tokens (their capacity is per sequence).
+A peer that cannot express a config (top-1, or top-3 for ``moe``) is skipped for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PEERS = {"st_moe": "st_moe_pytorch", "moe": "mixture_of_experts"}
+
+
+def installed_peers() -> list[str]:
+    """Names of the peers whose package is importable."""
+    return [name for name, module in PEERS.items() if importlib.util.find_spec(module) is not None]
+
+
+@dataclass
+class PeerOutput:
+    out: Tensor
+    aux_loss: Tensor
+
+
+class _SwiGLUExperts(nn.Module):
+    """E stacked SwiGLU experts on [E, ..., D] inputs (the ``experts=`` module for ``mixture-of-experts``)."""
+
+    def __init__(self, n_experts: int, d_in: int, d_hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n_experts, d_in, d_hidden) * 0.02)
+        self.w3 = nn.Parameter(torch.randn(n_experts, d_in, d_hidden) * 0.02)
+        self.w2 = nn.Parameter(torch.randn(n_experts, d_hidden, d_in) * 0.02)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [E, N, D]
+        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+
+
+class PeerLayer(nn.Module):
+    """A peer MoE over (sub-)tokens, with MH-MoE's head/merge projections when ``heads > 1``.
+
+    forward(x [N, D]) -> PeerOutput(out [N, D], aux_loss []); N must be a multiple of ``group``.
+    """
+
+    def __init__(self, peer: nn.Module, d_model: int, heads: int, group: int) -> None:
+        super().__init__()
+        self.peer, self.heads, self.group = peer, heads, group
+        self.head = nn.Linear(d_model, d_model, bias=False) if heads > 1 else nn.Identity()
+        self.merge = nn.Linear(d_model, d_model, bias=False) if heads > 1 else nn.Identity()
+
+    def forward(self, x: Tensor) -> PeerOutput:
+        n, d = x.shape
+        sub = self.head(x).reshape(n // self.group, self.group * self.heads, d // self.heads)  # [G, n_g*H, D/H]
+        res = self.peer(sub)
+        out, aux = res[0], res[1]
+        return PeerOutput(self.merge(out.reshape(n, d)), aux)
+
+
+def build_peer(name: str, d_model: int, experts: int, d_expert: int, top_k: int, heads: int,
+               group: int) -> PeerLayer | None:
+    """The peer ``name`` configured like our layer, or None when it cannot express the config."""
+    d_in = d_model // heads
+    if name == "st_moe":
+        from st_moe_pytorch import MoE
+
+        if top_k < 2:
+            return None
+        mult = d_expert * 3 / (2 * d_in)  # their hidden = int(dim * mult * 2 / 3)
+        peer = MoE(d_in, num_experts=experts, gating_top_n=top_k, expert_hidden_mult=mult,
+                   threshold_train=0.0, threshold_eval=0.0, router_z_loss_coef=0.0)
+        assert int(d_in * mult * 2 / 3) == d_expert
+    elif name == "moe":
+        from mixture_of_experts import MoE
+
+        if top_k != 2:
+            return None
+        peer = MoE(d_in, num_experts=experts, second_policy_train="all", second_policy_eval="all",
+                   experts=_SwiGLUExperts(experts, d_in, d_expert))
+    else:
+        raise ValueError(f"unknown peer {name!r}: allowed {', '.join(PEERS)}")
+    return PeerLayer(peer, d_model, heads, group)
+
+
+def peer_info() -> dict[str, Any]:
+    """Installed peer versions (for the benchmark's machine record)."""
+    from importlib.metadata import version
+
+    return {name: version(PEERS[name].replace("_", "-")) for name in installed_peers()}
