@@ -107,6 +107,14 @@ def _runner(module: torch.nn.Module, x: torch.Tensor, pass_: str) -> Callable[[]
     return fwd if pass_ == "fwd" else fwd_bwd
 
 
+def _autocast(fn: Callable[[], Any], device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.autocast(device.type, dtype=dtype):
+            return fn()
+
+    return run
+
+
 def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         module(x)
@@ -135,8 +143,8 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
 
         layer = build_peer(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, PEER_GROUP
                            if tokens % PEER_GROUP == 0 else tokens)
-        if layer is not None:
-            peer_layers[name] = layer.to(device, dtype)
+        if layer is not None:  # fp32 weights; bf16 runs under autocast (their dispatch tensors are fp32)
+            peer_layers[name] = layer.to(device)
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
@@ -151,8 +159,15 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
         row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
         for name, layer in peer_layers.items():
-            row[f"ms_peer_{name}"] = time_fn(_runner(layer, x, pass_), device, repeats)
-            row[f"ratio_peer_{name}"] = row[f"ms_peer_{name}"] / row["ms_ours"]
+            try:
+                run = _runner(layer, x, pass_)
+                if dtype != torch.float32:
+                    run = _autocast(run, device, dtype)
+                row[f"ms_peer_{name}"] = time_fn(run, device, repeats)
+                row[f"ratio_peer_{name}"] = row[f"ms_peer_{name}"] / row["ms_ours"]
+            except RuntimeError as e:  # a peer that cannot run this config/dtype: recorded, not fatal
+                row[f"ms_peer_{name}"] = row[f"ratio_peer_{name}"] = None
+                row.setdefault("peer_errors", {})[name] = str(e).splitlines()[0][:200]
         rows.append(row)
     return rows
 

@@ -10,7 +10,9 @@
 Both peers use their library defaults except: every top-n slot is dispatched (second-expert
 threshold 0 / policy ``all``) so they do the same expert work as our dropless layer, up to their
 capacity drops. MH-MoE configs wrap the peer in our head/merge projections and token split.
-Tokens are grouped into sequences of ``group`` tokens (their capacity is per sequence).
+Tokens are grouped into sequences of ``group`` tokens (their capacity is per sequence). In bfloat16
+the peers keep fp32 weights and run under ``torch.autocast`` (both build fp32 dispatch tensors and
+fail on bf16 inputs otherwise), as a user of those libraries would.
 A peer that cannot express a config (top-1, or top-3 for ``moe``) is skipped for it.
 """
 
