@@ -198,17 +198,19 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
 
 def format_rows(result: dict) -> str:
     rows = result["rows"]
-    impls = sorted({k[3:] for r in rows for k in r if k.startswith("ms_") and k[3:] not in ("ours", "dense", "loop")})
-    peer_cols = sorted({k for r in rows for k in r if k.startswith("ms_peer_")})
+    impls = sorted({k[3:] for r in rows for k in r
+                    if k.startswith("ms_") and k[3:] not in ("ours", "dense", "loop") and not k.startswith("ms_peer_")})
+    peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
             + ["ours ms", "loop ms", "dense ms", "dense/ours", "loop/ours", "vs smoe"]
-            + [c[3:] + " ms" for c in peer_cols])
+            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
         cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
-                  fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)] + [fmt(r.get(c)) for c in peer_cols]
+                  fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
+        cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         lines.append("| " + " | ".join(cells) + " |")
     m = result["machine"]
     lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}")
