@@ -306,3 +306,14 @@ def test_training_is_deterministic(tmp_path):
     train(run, tmp_path / "a", progress=False)
     train(run, tmp_path / "b", progress=False)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_resume_takes_threads_from_the_command(tmp_path):
+    """threads is a property of the machine the run continues on, not of the run: --resume takes it."""
+    run = tiny_run(tmp_path, MHMOE)
+    train(run, tmp_path / "r", progress=False, stop_after=1)
+    again = run.with_overrides(["train.threads=2"])
+    train(again, tmp_path / "r", resume=True, progress=False, stop_after=2)
+    assert torch.get_num_threads() == 2
+    assert RunConfig.from_yaml((tmp_path / "r" / "config.yaml").read_text()).train.threads == 2
+    torch.set_num_threads(1)

@@ -230,8 +230,9 @@ def _train(run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_aft
             ckpt = open_latest_dcp(run_dir)
         if rank0:
             print(f"mhmoe: resuming {run_dir} from step {ckpt.step} with the run's own config (only "
-                  f"train.max_steps={cfg.max_steps}, parallel and ep are taken from this command)", file=sys.stderr)
-        launch = {"max_steps": cfg.max_steps, "parallel": cfg.parallel, "ep": cfg.ep}
+                  f"train.max_steps={cfg.max_steps}, threads, parallel and ep are taken from this command)",
+                  file=sys.stderr)
+        launch = {"max_steps": cfg.max_steps, "threads": cfg.threads, "parallel": cfg.parallel, "ep": cfg.ep}
         run = RunConfig.from_dict({**ckpt.run.to_dict(), "train": {**ckpt.run.train.__dict__, **launch}})
         cfg = run.train
     elif list_checkpoints(run_dir):
