@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe import reproduce
+from mhmoe.cli import main
 from mhmoe.errors import ConfigError
 from mhmoe.model import LM
 
@@ -87,3 +88,26 @@ def test_reuse_refuses_a_run_with_a_different_config(tmp_path, monkeypatch):
     reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.eval_batches=3"])  # bookkeeping
     with pytest.raises(ConfigError, match="train.lr"):
         reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.lr=1e-4"])
+
+
+def test_report_only_trains_nothing_and_reports_finished_runs(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_train(run, run_dir, resume=False, progress=True):
+        calls.append(run.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "results.json").write_text(json.dumps({
+            "preset": run.name, "step": 1, "params": 10, "fwd_flops_per_token": 5.0, "tokens_per_s": 1.0,
+            "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 20.0, "loss": 3.0}}}))
+
+    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    with pytest.raises(ConfigError):  # nothing finished yet
+        reproduce.run_suite("v2-table5", tmp_path, progress=False, train_missing=False)
+    assert main(["reproduce", "v2-table5", "--out", str(tmp_path), "--report-only", "--no-progress"]) == 2
+    first = reproduce.suite_rows("v2-table5")[0]
+    fake_train(first.build("tiny"), reproduce._run_dir(tmp_path, first.label, 0))
+    calls.clear()
+    res = reproduce.run_suite("v2-table5", tmp_path, progress=False, train_missing=False)
+    assert calls == [] and [r["label"] for r in res] == [first.label]
+    md = (tmp_path / "results.md").read_text()
+    assert first.label in md and md.count("\n| ") == 2  # header + the one finished row

@@ -19,6 +19,8 @@ def _add_reproduce(sub) -> None:
     p.add_argument("--out", help="output directory (default runs/reproduce/SUITE-SCALE)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: write the tables and curves from the runs that already finished")
     p.set_defaults(func=_run_reproduce)
 
 
@@ -28,7 +30,7 @@ def _run_reproduce(args: argparse.Namespace) -> int:
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
     run_suite(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
-              progress=not args.no_progress)
+              progress=not args.no_progress, train_missing=not args.report_only)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
 

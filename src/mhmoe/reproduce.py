@@ -158,8 +158,11 @@ def _run_dir(out: Path, label: str, seed: int) -> Path:
 
 
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, tokens: int | None = None,
-              overrides: list[str] | None = None, progress: bool = True) -> list[dict]:
-    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md and curves.png."""
+              overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True) -> list[dict]:
+    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md and curves.png.
+
+    ``train_missing=False`` trains nothing and reports the runs that already finished (an error if none).
+    """
     from mhmoe.train import train
 
     if scale not in SUITE_SCALES or scale not in SCALES:
@@ -180,12 +183,17 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
             run_dir = _run_dir(out, row.label, seed)
             done = run_dir / "results.json"
             _check_same_run(run_dir, run)
+            if not done.exists() and not train_missing:
+                print(f"[{name}] {row.label} seed {seed}: not finished, left out", file=sys.stderr)
+                continue
             if not done.exists():
                 print(f"[{name}] {row.label} seed {seed}: {run.train.max_steps} steps", file=sys.stderr)
                 resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
                 train(run, run_dir, resume=resume, progress=progress)
             res = json.loads(done.read_text())
             results.append({"label": row.label, "seed": seed, "run_dir": str(run_dir), **res})
+    if not results:
+        raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
     write_outputs(name, rows, results, out)
     return results
 
