@@ -77,19 +77,24 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LM, run: RunConfig, t
         (tmp / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
         torch.save(trainer_state, tmp / "trainer_state.pt")
         tokenizer.save(tmp / "tokenizer")
-        meta = {"format_version": FORMAT_VERSION, "step": step,
-                "files": {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
-                          for p in _files(tmp)}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_checkpoint(tmp, final, run_dir, {"format_version": FORMAT_VERSION, "step": step}, keep_last)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, run_dir: str | Path, meta: dict[str, Any], keep_last: int) -> None:
+    """Write ``meta.json`` (``meta`` + every file's sha256 and size) into the finished ``tmp`` directory,
+    rename it to ``final`` atomically, and prune all but the newest ``keep_last`` checkpoints."""
+    meta = {**meta, "files": {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                              for p in _files(tmp)}}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -21,8 +21,6 @@ across nodes). :func:`mhmoe.checkpoint.load_checkpoint` reads DCP checkpoints in
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 import warnings
@@ -41,11 +39,10 @@ from mhmoe.checkpoint import (
     FORMAT_VERSION,
     PREFIX,
     Checkpoint,
-    _files,
-    _sha256,
     list_checkpoints,
     load_checkpoint,
     model_is_finite,
+    publish_checkpoint,
 )
 from mhmoe.errors import CheckpointError
 from mhmoe.model import LM
@@ -135,17 +132,10 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
             (tmp / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
             torch.save({k: v for k, v in trainer_state.items() if k != "optimizer"}, tmp / "trainer_state.pt")
             tokenizer.save(tmp / "tokenizer")
-            meta = {"format_version": FORMAT_VERSION, "format": "dcp", "step": step,
-                    "world_size": dist.get_world_size() if distributed else 1,
-                    "ep": par.env.ep if par is not None else 1,
-                    "files": {str(p.relative_to(tmp)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
-                              for p in _files(tmp)}}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            publish_checkpoint(tmp, final, run_dir, {
+                "format_version": FORMAT_VERSION, "format": "dcp", "step": step,
+                "world_size": dist.get_world_size() if distributed else 1,
+                "ep": par.env.ep if par is not None else 1}, keep_last)
         except BaseException as exc:  # noqa: BLE001 -- reported on every rank below
             shutil.rmtree(tmp, ignore_errors=True)
             error = exc
