@@ -55,7 +55,7 @@ PASSES = ("fwd", "fwd_bwd")
 
 def available_impls(device: torch.device) -> list[str]:
     """Our execution paths usable on ``device`` (the loop oracle is measured separately)."""
-    return ["padded", "fused", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+    return ["padded", "fused", "chunked", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:

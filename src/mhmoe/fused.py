@@ -1,16 +1,25 @@
 """Fused dropless MoE: dispatch + grouped expert FFNs + combine in one ``autograd.Function``.
 
 Shape legend: S tokens (sub-tokens for MH-MoE), K slots per token, E experts, D expert width,
-F expert hidden width, N valid (token, slot) pairs sorted by expert.
+F expert hidden width, N valid (token, slot) pairs sorted by expert, C rows per chunk.
 
 Why a custom Function: composed from autograd ops, the per-expert loop pays for a ``torch.cat`` of
 the outputs, a ``stack`` of the per-expert weight gradients, and scatter (``index_put``) kernels
 for the dispatch/combine. Here every expert GEMM writes straight into preallocated buffers
 (``torch.mm(..., out=...)``) -- outputs, weight gradients, input gradients -- and both directions
 of the dispatch are *gathers*: rows are gathered by expert order, outputs are gathered back by the
-inverse permutation and summed over the K slots (no atomics, no scatter). SwiGLU / ReLU
-activations are fused: the backward recomputes ``silu`` from the saved pre-activations instead of
-storing activation outputs.
+inverse permutation and summed over the K slots (no atomics, no scatter).
+
+Two variants (``MoEConfig.impl``):
+
+- ``fused``: the hidden pre-activations [N, F] are stored for the backward; ``silu`` is recomputed
+  from them instead of storing activation outputs.
+- ``chunked``: nothing of width F is stored. Each expert's rows run in chunks of C rows whose
+  [C, F] hidden block stays in cache; the backward recomputes the up-projections chunk by chunk.
+  Thin, wide experts (MH-MoE at parameter parity with many heads: 16-48-dim sub-tokens, experts
+  thousands wide) are memory-bound -- their [N, F] hidden tensors are hundreds of MB per layer and
+  every element-wise pass and page fault over them costs more than their GEMMs -- so recomputing
+  is faster there and saves N*F*2 stored elements per layer (docs/PERFORMANCE.md, "Thin experts").
 
 Correctness: tested against the per-expert loop oracle (outputs and all gradients).
 """
@@ -24,42 +33,66 @@ from torch import Tensor
 from mhmoe.experts import GroupedExperts
 from mhmoe.routers import RouterOutput
 
+CHUNK_BYTES = 2 << 20  # hidden-block budget per chunk for impl="chunked" (fits L2/L3 slices)
+
+
+def chunk_rows(d_hidden: int, itemsize: int, budget: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so that one [C, F] hidden block is about ``budget`` bytes: a multiple of 32 in [32, 1024]."""
+    return max(32, min(1024, budget // (d_hidden * itemsize) // 32 * 32))
+
+
+def _blocks(counts: list[int], chunk: int) -> list[tuple[int, slice]]:
+    """(expert, row range) per block: every expert's contiguous rows, cut into chunks of ``chunk``
+    rows (``chunk=0``: one block per non-empty expert)."""
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        step = chunk or max(c, 1)
+        out += [(e, slice(a, min(a + step, start + c))) for a in range(start, start + c, step)]
+        start += c
+    return out
+
+
+def _up(x: Tensor, w1: Tensor, w3: Tensor | None, h1: Tensor | None = None,
+        h3: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Pre-activations x W1 (and x W3 for SwiGLU), into ``h1``/``h3`` when given."""
+    h1 = torch.mm(x, w1) if h1 is None else torch.mm(x, w1, out=h1)
+    if w3 is None:
+        return h1, None
+    return h1, torch.mm(x, w3) if h3 is None else torch.mm(x, w3, out=h3)
+
 
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, order: Tensor,
-                inv: Tensor, counts: list[int]) -> Tensor:
+                inv: Tensor, counts: list[int], chunk: int) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         N = sum(counts)
         tok = torch.div(order[:N], K, rounding_mode="floor")
         xs = x.index_select(0, tok)  # [N, D] gather
-        h1 = x.new_empty(N, Fh)
-        h3 = x.new_empty(N, Fh) if w3 is not None else None
+        store = chunk == 0
+        h1 = x.new_empty(N, Fh) if store else None
+        h3 = x.new_empty(N, Fh) if store and w3 is not None else None
         ys = x.new_empty(S * K, D)
         ys[N:].zero_()  # invalid slots (padding, drops) contribute nothing
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                r = slice(start, start + c)
-                torch.mm(xs[r], w1[e], out=h1[r])
-                if w3 is not None:
-                    torch.mm(xs[r], w3[e], out=h3[r])
-                    a = F.silu(h1[r]) * h3[r]
-                else:
-                    a = F.relu(h1[r])
-                torch.mm(a, w2[e], out=ys[r])
-            start += c
+        for e, r in _blocks(counts, chunk):
+            a1, a3 = _up(xs[r], w1[e], w3[e] if w3 is not None else None,
+                         h1[r] if store else None, h3[r] if h3 is not None else None)
+            if a3 is None:
+                a = F.relu(a1) if store else a1.relu_()
+            else:
+                a = F.silu(a1).mul_(a3)
+            torch.mm(a, w2[e], out=ys[r])
         y_slots = ys.index_select(0, inv).view(S, K, D)  # gather back to slot order
         out = torch.bmm(weights.unsqueeze(1), y_slots).squeeze(1)  # sum_k w[s,k] y[s,k]
         ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3, order, inv)
-        ctx.counts = counts
+        ctx.counts, ctx.chunk = counts, chunk
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         xs, h1, h3, ys, weights, w1, w2, w3, order, inv = ctx.saved_tensors
-        counts = ctx.counts
+        counts, chunk = ctx.counts, ctx.chunk
         S, K = weights.shape
         D = w1.shape[1]
         N = sum(counts)
@@ -70,52 +103,54 @@ class _FusedMoE(torch.autograd.Function):
         tok = torch.div(sorted_slots, K, rounding_mode="floor")
         # d ys[n] = w[slot n] * dout[token of slot n]: a gather in expert order
         dys = dout.index_select(0, tok) * weights.reshape(-1).index_select(0, sorted_slots).unsqueeze(1)
-        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
-        gw3 = torch.empty_like(w3) if w3 is not None else None
+        # zero-initialised: experts without rows get a zero gradient; chunks accumulate with addmm_
+        gw1, gw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        gw3 = torch.zeros_like(w3) if w3 is not None else None
         dxs = xs.new_empty(S * K, D)
         dxs[N:].zero_()
-        start = 0
-        for e, c in enumerate(counts):
-            if not c:  # an expert without rows gets a zero gradient
-                for g in (gw1, gw2, gw3):
-                    if g is not None:
-                        g[e].zero_()
+        for e, r in _blocks(counts, chunk):
+            x_, dy = xs[r], dys[r]
+            if chunk:  # recompute the up-projections of this chunk (private buffers: modified in place)
+                a1, a3 = _up(x_, w1[e], w3[e] if w3 is not None else None)
             else:
-                r = slice(start, start + c)
-                da = torch.mm(dys[r], w2[e].t())
-                if w3 is not None:
-                    sig = torch.sigmoid(h1[r])
-                    silu = h1[r] * sig
-                    torch.mm((silu * h3[r]).t(), dys[r], out=gw2[e])
-                    dh3 = da * silu
-                    dh1 = da * h3[r] * (sig * (1 + h1[r] * (1 - sig)))
-                    torch.mm(xs[r].t(), dh3, out=gw3[e])
-                    torch.mm(dh3, w3[e].t(), out=dxs[r])
-                    dxs[r].addmm_(dh1, w1[e].t())
-                else:
-                    act = F.relu(h1[r])
-                    torch.mm(act.t(), dys[r], out=gw2[e])
-                    dh1 = da * (h1[r] > 0)
-                    torch.mm(dh1, w1[e].t(), out=dxs[r])
-                torch.mm(xs[r].t(), dh1, out=gw1[e])
-            start += c
+                a1, a3 = h1[r], h3[r] if h3 is not None else None
+            da = torch.mm(dy, w2[e].t())
+            if a3 is not None:
+                sig = torch.sigmoid(a1)
+                silu = a1 * sig
+                gw2[e].addmm_((silu * a3).t(), dy)
+                dh3 = da * silu
+                # d silu(h)/dh = sig * (1 + h * (1 - sig)), built in the recomputed or fresh buffers
+                dsilu = sig.mul_((a1 * (1 - sig)).add_(1))
+                dh1 = da.mul_(a3).mul_(dsilu)
+                gw3[e].addmm_(x_.t(), dh3)
+                torch.mm(dh3, w3[e].t(), out=dxs[r])
+                dxs[r].addmm_(dh1, w1[e].t())
+            else:
+                mask = a1 > 0
+                gw2[e].addmm_(F.relu(a1).t(), dy)
+                dh1 = da.mul_(mask)
+                torch.mm(dh1, w1[e].t(), out=dxs[r])
+            gw1[e].addmm_(x_.t(), dh1)
         # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation, sum over K (no atomics)
         dx = dxs.index_select(0, inv).view(S, K, D).sum(1)
-        return dx, dweights, gw1, gw2, gw3, None, None, None
+        return dx, dweights, gw1, gw2, gw3, None, None, None, None
 
 
-def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: int = 0) -> Tensor:
     """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D].
 
-    Quantized experts (bitnet158) are run by :func:`mhmoe.dispatch.sorted_moe` instead: the
-    hand-written backward here has no activation quantization or sub-norms.
+    ``chunk`` > 0 gives the ``chunked`` variant: rows in chunks of ``chunk``, hidden recomputed in
+    the backward (see the module docstring). Quantized experts (bitnet158) are run by
+    :func:`mhmoe.dispatch.sorted_moe` instead: the hand-written backward here has no activation
+    quantization or sub-norms.
     """
     if experts.quantized:
         from mhmoe.dispatch import sorted_moe
 
         return sorted_moe(x, route, experts)
     if experts.b1 is not None:
-        raise ValueError("invalid impl='fused' with expert_bias=True: allowed sorted | grouped_mm | loop")
+        raise ValueError("invalid impl='fused'/'chunked' with expert_bias=True: allowed sorted | grouped_mm | loop")
     S, K = route.experts.shape
     E = experts.n_experts
     key = torch.where(route.valid, route.experts, E).reshape(-1)
@@ -129,4 +164,10 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor
         dtype = torch.get_autocast_dtype(x.device.type)
     ws = [None if w is None else w.to(dtype) for w in ws]
     with torch.autocast(x.device.type, enabled=False):
-        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], order, inv, counts)
+        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], order, inv, counts, chunk)
+
+
+def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """``impl="chunked"``: :func:`fused_moe` with cache-sized row chunks and recompute. x: [S, D] -> [S, D]."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return fused_moe(x, route, experts, chunk_rows(experts.d_hidden, dtype.itemsize))

@@ -1,0 +1,127 @@
+"""The fused and chunked (recompute) paths against the per-expert loop oracle, at the Function level.
+
+Tiny shapes with chunks of a few rows, so every expert's block is cut into several chunks (the
+layer-level tests in test_moe.py only ever see one chunk per expert).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mhmoe.dispatch import apply_capacity, choose_impl, sorted_moe, thin_experts
+from mhmoe.experts import GroupedExperts
+from mhmoe.fused import _blocks, chunk_rows, chunked_moe, fused_moe
+from mhmoe.reference import loop_moe
+from mhmoe.routers import RouterOutput
+
+
+def _route(S: int, E: int, K: int, gen: torch.Generator, skew: float = 0.0, capacity: int | None = None,
+           dtype: torch.dtype = torch.float32) -> RouterOutput:
+    logits = torch.randn(S, E, generator=gen)
+    logits[:, 0] += skew  # skew > 0 crowds expert 0; with large E some experts get no rows
+    probs = logits.softmax(-1)
+    w, idx = probs.topk(K)
+    valid = torch.ones_like(idx, dtype=torch.bool)
+    if capacity is not None:
+        valid = apply_capacity(idx, valid, capacity, E)
+    w = torch.where(valid, w, 0).to(dtype).requires_grad_()
+    return RouterOutput(weights=w, experts=idx, valid=valid, logits=logits, probs=probs,
+                        counts=torch.bincount(idx.flatten(), minlength=E), token_mask=torch.ones(S, dtype=torch.bool))
+
+
+def _grads(fn, x, route, experts):
+    for t in (x, route.weights, *experts.parameters()):
+        t.grad = None
+    out = fn(x, route, experts)
+    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), [x.grad, route.weights.grad] + [p.grad for p in experts.parameters()]
+
+
+CASES = [  # S, E, K, D, F, ffn, chunk, skew, capacity
+    (37, 5, 2, 8, 24, "swiglu", 3, 0.0, None),
+    (64, 7, 3, 4, 40, "relu", 5, 2.0, None),
+    (50, 16, 1, 6, 12, "swiglu", 2, 4.0, None),  # most experts empty
+    (45, 4, 2, 8, 16, "relu", 4, 0.0, 9),  # capacity drops: invalid slots
+    (1, 3, 2, 8, 8, "swiglu", 1, 0.0, None),
+]
+
+
+@pytest.mark.parametrize("S, E, K, D, Fh, ffn, chunk, skew, capacity", CASES)
+@pytest.mark.parametrize("variant", ["fused", "chunked"])
+def test_fused_paths_match_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacity, variant):
+    gen = torch.Generator().manual_seed(S * 100 + E)
+    torch.manual_seed(S)
+    experts = GroupedExperts(E, D, Fh, ffn, init_std=0.3)
+    x = torch.randn(S, D, generator=gen, requires_grad=True)
+    route = _route(S, E, K, gen, skew, capacity)
+    c = chunk if variant == "chunked" else 0
+    got, g_got = _grads(lambda *a: fused_moe(*a, chunk=c), x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if skew >= 4.0:  # empty experts get exactly zero weight gradients
+        empty = torch.bincount(route.experts[route.valid], minlength=E) == 0
+        assert empty.any() and torch.equal(experts.w1.grad[empty], torch.zeros_like(experts.w1.grad[empty]))
+
+
+def test_chunked_bf16_close_to_fp32_oracle():
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    experts = GroupedExperts(6, 16, 48, "swiglu", init_std=0.2)
+    x = torch.randn(80, 16, generator=gen, requires_grad=True)
+    route = _route(80, 6, 2, gen)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    xb = x.detach().bfloat16().requires_grad_()
+    rb = dataclasses.replace(route, weights=route.weights.detach().bfloat16().requires_grad_())
+    eb = GroupedExperts(6, 16, 48, "swiglu").to(torch.bfloat16)
+    eb.load_state_dict(experts.state_dict())
+    got, g_got = _grads(lambda *a: fused_moe(*a, chunk=7), xb, rb, eb)
+    assert got.dtype == torch.bfloat16
+    # bf16 has an 8-bit mantissa: outputs and gradients within a few percent of the fp32 oracle
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05 * float(b.abs().max()))
+
+
+def test_chunked_under_autocast_runs_in_bf16():
+    experts = GroupedExperts(4, 8, 32, "swiglu")
+    x = torch.randn(20, 8, requires_grad=True)
+    route = _route(20, 4, 2, torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_moe(x, route, experts)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert experts.w1.grad.dtype == torch.float32 and torch.isfinite(experts.w1.grad).all()
+    torch.testing.assert_close(out.float(), loop_moe(x, route, experts), rtol=0.05, atol=0.02)
+
+
+def test_blocks_cover_every_row_once():
+    counts = [5, 0, 3, 8]
+    blocks = _blocks(counts, 3)
+    rows = [i for _, r in blocks for i in range(r.start, r.stop)]
+    assert rows == list(range(16))
+    assert [e for e, _ in blocks] == [0, 0, 2, 3, 3, 3]
+    assert all(r.stop - r.start <= 3 for _, r in blocks)
+    assert _blocks(counts, 0) == [(0, slice(0, 5)), (2, slice(5, 8)), (3, slice(8, 16))]
+
+
+def test_chunk_rows_budget():
+    assert chunk_rows(5952, 4) == 64  # 2 MiB / (5952 * 4 B) = 88 -> multiple of 32
+    assert chunk_rows(512, 2) == 1024  # capped
+    assert chunk_rows(10**6, 4) == 32  # floor
+    assert chunk_rows(2048, 4, budget=1 << 20) == 128
+
+
+def test_auto_picks_chunked_only_for_thin_cpu_experts():
+    thin, wide = GroupedExperts(8, 24, 64), GroupedExperts(8, 256, 64)
+    x32, x16 = torch.randn(2, 24), torch.randn(2, 24, dtype=torch.bfloat16)
+    assert thin_experts(x32, thin) and not thin_experts(x32, wide)
+    assert not thin_experts(x16, GroupedExperts(8, 48, 64))  # bf16 limit is 32
+    assert thin_experts(torch.randn(2, 48), GroupedExperts(8, 48, 64))
+    assert not thin_experts(x32, GroupedExperts(8, 24, 64, bias=True))
+    assert not thin_experts(x32, GroupedExperts(8, 24, 64, quant="bitnet158"))
+    assert choose_impl("auto", x32, thin) is chunked_moe
+    assert choose_impl("auto", x32, wide) is sorted_moe
+    assert choose_impl("chunked", x32, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
