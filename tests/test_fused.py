@@ -11,7 +11,7 @@ import torch
 
 from mhmoe.dispatch import apply_capacity, choose_impl, sorted_moe, thin_experts
 from mhmoe.experts import GroupedExperts
-from mhmoe.fused import _blocks, chunk_rows, chunked_moe, fused_moe
+from mhmoe.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
 from mhmoe.reference import loop_moe
 from mhmoe.routers import RouterOutput
 
@@ -125,3 +125,40 @@ def test_auto_picks_chunked_only_for_thin_cpu_experts():
     assert choose_impl("auto", x32, thin) is chunked_moe
     assert choose_impl("auto", x32, wide) is sorted_moe
     assert choose_impl("chunked", x32, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
+
+
+@pytest.mark.parametrize("variant", ["fused", "chunked"])
+def test_expert_parallel_threads_match_oracle(variant):
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    experts = GroupedExperts(12, 8, 24, "swiglu", init_std=0.3)
+    x = torch.randn(90, 8, generator=gen, requires_grad=True)
+    route = _route(90, 12, 2, gen, skew=1.0)
+    chunk = 4 if variant == "chunked" else 0
+    want, g_want = _grads(loop_moe, x, route, experts)
+    for workers in (2, 3, 5):  # more threads than cores, uneven expert loads: same numbers
+        got, g_got = _grads(lambda *a, w=workers: fused_moe(*a, chunk=chunk, workers=w), x, route, experts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g_got, g_want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.get_num_threads() >= 1  # the worker threads' set_num_threads(1) stays in the workers
+
+
+def test_expert_workers_rule():
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    many, few = [5] * (MIN_EXPERTS_PER_WORKER * max(threads, 2)), [5, 0, 5]
+    assert expert_workers(few, cpu) == 1
+    assert expert_workers(many, cpu) == (threads if threads > 1 else 1)
+    assert expert_workers(many, torch.device("meta")) == 1
+
+
+def test_worker_errors_propagate():
+    from mhmoe.fused import _run_blocks
+
+    def boom(e, r):
+        if e == 1:
+            raise RuntimeError("expert 1 failed")
+
+    with pytest.raises(RuntimeError, match="expert 1 failed"):
+        _run_blocks([(0, slice(0, 2)), (1, slice(2, 4))], boom, 2)

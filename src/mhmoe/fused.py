@@ -21,10 +21,20 @@ Two variants (``MoEConfig.impl``):
   every element-wise pass and page fault over them costs more than their GEMMs -- so recomputing
   is faster there and saves N*F*2 stored elements per layer (docs/PERFORMANCE.md, "Thin experts").
 
+Parallelism across experts (CPU): with many experts per thread, whole experts are spread over
+``torch.get_num_threads()`` worker threads that each run single-threaded GEMMs
+(:func:`_run_blocks`), instead of splitting every small GEMM over all cores. Blocks of one expert
+stay on one thread, so the weight-gradient accumulation never races; every block writes its own
+rows of the preallocated buffers. Scales with the core count (each thread owns ~E/threads experts).
+
 Correctness: tested against the per-expert loop oracle (outputs and all gradients).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +44,7 @@ from mhmoe.experts import GroupedExperts
 from mhmoe.routers import RouterOutput
 
 CHUNK_BYTES = 2 << 20  # hidden-block budget per chunk for impl="chunked" (fits L2/L3 slices)
+MIN_EXPERTS_PER_WORKER = 8  # expert-parallel CPU threads only with this many non-empty experts per thread
 
 
 def chunk_rows(d_hidden: int, itemsize: int, budget: int = CHUNK_BYTES) -> int:
@@ -52,6 +63,42 @@ def _blocks(counts: list[int], chunk: int) -> list[tuple[int, slice]]:
     return out
 
 
+@functools.cache
+def _expert_pool(workers: int) -> ThreadPoolExecutor:
+    """Worker threads for :func:`_run_blocks`, each with one intra-op thread (created once per size)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="mhmoe-expert", initializer=torch.set_num_threads,
+                              initargs=(1,))
+
+
+def _run_blocks(blocks: list[tuple[int, slice]], work: Callable[[int, slice], None], workers: int) -> None:
+    """Call ``work(e, rows)`` for every block. With ``workers`` > 1, whole experts are spread over
+    ``workers`` threads (longest first onto the least-loaded thread), each running its experts'
+    GEMMs single-threaded: on CPU many small GEMMs scale better across experts than inside each
+    GEMM. Blocks of one expert stay on one thread, so their weight-gradient accumulation never races;
+    every block writes disjoint rows of the output buffers."""
+    if workers <= 1 or len({e for e, _ in blocks}) < 2:
+        for e, r in blocks:
+            work(e, r)
+        return
+    per_expert: dict[int, list[slice]] = {}
+    for e, r in blocks:
+        per_expert.setdefault(e, []).append(r)
+    lanes: list[list[tuple[int, slice]]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for e in sorted(per_expert, key=lambda e: -sum(r.stop - r.start for r in per_expert[e])):
+        i = loads.index(min(loads))
+        lanes[i] += [(e, r) for r in per_expert[e]]
+        loads[i] += sum(r.stop - r.start for r in per_expert[e])
+
+    def lane(items: list[tuple[int, slice]]) -> None:
+        with torch.no_grad():  # grad mode is per thread; the buffers are written with out=
+            for e, r in items:
+                work(e, r)
+
+    for f in [_expert_pool(workers).submit(lane, items) for items in lanes if items]:
+        f.result()
+
+
 def _up(x: Tensor, w1: Tensor, w3: Tensor | None, h1: Tensor | None = None,
         h3: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Pre-activations x W1 (and x W3 for SwiGLU), into ``h1``/``h3`` when given."""
@@ -64,7 +111,7 @@ def _up(x: Tensor, w1: Tensor, w3: Tensor | None, h1: Tensor | None = None,
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, order: Tensor,
-                inv: Tensor, counts: list[int], chunk: int) -> Tensor:
+                inv: Tensor, counts: list[int], chunk: int, workers: int) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         N = sum(counts)
@@ -75,7 +122,7 @@ class _FusedMoE(torch.autograd.Function):
         h3 = x.new_empty(N, Fh) if store and w3 is not None else None
         ys = x.new_empty(S * K, D)
         ys[N:].zero_()  # invalid slots (padding, drops) contribute nothing
-        for e, r in _blocks(counts, chunk):
+        def block(e: int, r: slice) -> None:
             a1, a3 = _up(xs[r], w1[e], w3[e] if w3 is not None else None,
                          h1[r] if store else None, h3[r] if h3 is not None else None)
             if a3 is None:
@@ -83,10 +130,12 @@ class _FusedMoE(torch.autograd.Function):
             else:
                 a = F.silu(a1).mul_(a3)
             torch.mm(a, w2[e], out=ys[r])
+
+        _run_blocks(_blocks(counts, chunk), block, workers)
         y_slots = ys.index_select(0, inv).view(S, K, D)  # gather back to slot order
         out = torch.bmm(weights.unsqueeze(1), y_slots).squeeze(1)  # sum_k w[s,k] y[s,k]
         ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3, order, inv)
-        ctx.counts, ctx.chunk = counts, chunk
+        ctx.counts, ctx.chunk, ctx.workers = counts, chunk, workers
         return out
 
     @staticmethod
@@ -108,7 +157,7 @@ class _FusedMoE(torch.autograd.Function):
         gw3 = torch.zeros_like(w3) if w3 is not None else None
         dxs = xs.new_empty(S * K, D)
         dxs[N:].zero_()
-        for e, r in _blocks(counts, chunk):
+        def block(e: int, r: slice) -> None:
             x_, dy = xs[r], dys[r]
             if chunk:  # recompute the up-projections of this chunk (private buffers: modified in place)
                 a1, a3 = _up(x_, w1[e], w3[e] if w3 is not None else None)
@@ -132,18 +181,31 @@ class _FusedMoE(torch.autograd.Function):
                 dh1 = da.mul_(mask)
                 torch.mm(dh1, w1[e].t(), out=dxs[r])
             gw1[e].addmm_(x_.t(), dh1)
+
+        _run_blocks(_blocks(counts, chunk), block, ctx.workers)
         # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation, sum over K (no atomics)
         dx = dxs.index_select(0, inv).view(S, K, D).sum(1)
-        return dx, dweights, gw1, gw2, gw3, None, None, None, None
+        return dx, dweights, gw1, gw2, gw3, None, None, None, None, None
 
 
-def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: int = 0) -> Tensor:
+def expert_workers(counts: list[int], device: torch.device) -> int:
+    """Threads for :func:`_run_blocks`: on CPU, ``torch.get_num_threads()`` when there are at least
+    ``MIN_EXPERTS_PER_WORKER`` non-empty experts per thread (then whole experts keep every core
+    busy with single-threaded GEMMs, measured faster than splitting each small GEMM), else 1."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    active = sum(1 for c in counts if c)
+    return threads if threads > 1 and active >= MIN_EXPERTS_PER_WORKER * threads else 1
+
+
+def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: int = 0,
+              workers: int | None = None) -> Tensor:
     """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D].
 
     ``chunk`` > 0 gives the ``chunked`` variant: rows in chunks of ``chunk``, hidden recomputed in
-    the backward (see the module docstring). Quantized experts (bitnet158) are run by
-    :func:`mhmoe.dispatch.sorted_moe` instead: the hand-written backward here has no activation
-    quantization or sub-norms.
+    the backward (see the module docstring). ``workers``: CPU threads running whole experts in
+    parallel (None = :func:`expert_workers`; 1 = one loop, each GEMM using all intra-op threads).
+    Quantized experts (bitnet158) are run by :func:`mhmoe.dispatch.sorted_moe` instead: the
+    hand-written backward here has no activation quantization or sub-norms.
     """
     if experts.quantized:
         from mhmoe.dispatch import sorted_moe
@@ -164,7 +226,8 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
         dtype = torch.get_autocast_dtype(x.device.type)
     ws = [None if w is None else w.to(dtype) for w in ws]
     with torch.autocast(x.device.type, enabled=False):
-        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], order, inv, counts, chunk)
+        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], order, inv, counts, chunk,
+                               expert_workers(counts, x.device) if workers is None else workers)
 
 
 def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
