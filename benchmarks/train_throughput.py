@@ -9,6 +9,7 @@ object (CPU model, threads, torch version, devices)::
     python benchmarks/train_throughput.py                                  # the 9 tiny-* presets
     python benchmarks/train_throughput.py --presets tiny-dense tiny-smoe tiny-mh3 --json bench.json
     python benchmarks/train_throughput.py --device cuda --dtype bfloat16 --presets paper-mh3
+    python benchmarks/train_throughput.py --presets tiny-icml-mh4-8 --set model.moe.impl=sorted
 
 ``--device all`` (the default) runs on the CPU and, when one is available, on CUDA as well.
 """
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mhmoe.cpu_malloc import tune_malloc
 from mhmoe.errors import ConfigError
 from mhmoe.evaluate import forward_flops_per_token
 from mhmoe.model import LM
@@ -69,9 +71,10 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup: int,
-                 batch_size: int | None = None, seq_len: int | None = None, seed: int = 0) -> dict[str, Any]:
+                 batch_size: int | None = None, seq_len: int | None = None, seed: int = 0,
+                 overrides: list[str] | None = None) -> dict[str, Any]:
     run = get_preset(name)
-    sets = [f"train.dtype={dtype}"]
+    sets = [f"train.dtype={dtype}", *(overrides or [])]
     if batch_size:
         sets.append(f"train.batch_size={batch_size}")
     if seq_len:
@@ -110,6 +113,7 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
     sec = statistics.median(times)
     return {
         "preset": name,
+        "overrides": list(overrides or []),
         "device": device.type,
         "dtype": dtype,
         "params": model.num_params(),
@@ -145,18 +149,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--batch-size", type=int, help="override the presets' batch size")
     p.add_argument("--seq-len", type=int, help="override the presets' sequence length")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="config override for every preset, e.g. model.moe.impl=sorted (repeatable)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and machine info as JSON")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    tune_malloc()  # as the mhmoe command does (MHMOE_MALLOC=system: glibc defaults)
     try:
         if args.steps < 1 or args.warmup < 0 or args.threads < 0:
             raise ConfigError("--steps/--warmup/--threads", (args.steps, args.warmup, args.threads),
                               "--steps >= 1, --warmup >= 0, --threads >= 0")
         for name in args.presets:
-            get_preset(name)
+            get_preset(name).with_overrides(args.overrides)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device", "cuda", "cpu | all (no CUDA device is available)")
     except ConfigError as exc:
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for dev in devices:
         for name in args.presets:
             row = bench_preset(name, torch.device(dev), args.dtype, args.steps, args.warmup, args.batch_size,
-                               args.seq_len)
+                               args.seq_len, overrides=args.overrides)
             rows.append(row)
             print(f"[{dev}] {name}: {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step",
                   file=sys.stderr, flush=True)

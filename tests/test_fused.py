@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from mhmoe.dispatch import apply_capacity, choose_impl, sorted_moe, thin_experts
+from mhmoe.dispatch import apply_capacity, choose_impl, sorted_moe
 from mhmoe.experts import GroupedExperts
 from mhmoe.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
 from mhmoe.reference import loop_moe
@@ -114,17 +114,11 @@ def test_chunk_rows_budget():
     assert chunk_rows(2048, 4, budget=1 << 20) == 128
 
 
-def test_auto_picks_chunked_only_for_thin_cpu_experts():
-    thin, wide = GroupedExperts(8, 24, 64), GroupedExperts(8, 256, 64)
-    x32, x16 = torch.randn(2, 24), torch.randn(2, 24, dtype=torch.bfloat16)
-    assert thin_experts(x32, thin) and not thin_experts(x32, wide)
-    assert not thin_experts(x16, GroupedExperts(8, 48, 64))  # bf16 limit is 32
-    assert thin_experts(torch.randn(2, 48), GroupedExperts(8, 48, 64))
-    assert not thin_experts(x32, GroupedExperts(8, 24, 64, bias=True))
-    assert not thin_experts(x32, GroupedExperts(8, 24, 64, quant="bitnet158"))
-    assert choose_impl("auto", x32, thin) is chunked_moe
-    assert choose_impl("auto", x32, wide) is sorted_moe
-    assert choose_impl("chunked", x32, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
+def test_chunked_is_explicit_and_not_for_quantized_experts():
+    x = torch.randn(2, 24)
+    assert choose_impl("chunked", x, GroupedExperts(8, 24, 64)) is chunked_moe
+    assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is sorted_moe  # CPU default (docs/PERFORMANCE.md)
+    assert choose_impl("chunked", x, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
 
 
 @pytest.mark.parametrize("variant", ["fused", "chunked"])

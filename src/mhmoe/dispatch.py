@@ -19,8 +19,10 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   with gathers both ways and GEMMs into preallocated buffers; ``chunked`` also cuts every expert's
   rows into cache-sized chunks and recomputes the hidden layer in the backward (no [N, F] storage).
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
-- ``auto``: :func:`choose_impl` picks by device/dtype/shape from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA, ``chunked`` on CPU for thin experts (:func:`thin_experts`), else ``sorted``.
+- ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
+  ``grouped_mm`` on CUDA, ``sorted`` on CPU. ``chunked`` is the memory option (it keeps ~1/50 of
+  the activations for thin, wide experts), not the default: with the ``mhmoe`` command's malloc
+  setting (:mod:`mhmoe.cpu_malloc`) ``sorted`` was faster in nearly every measured row.
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
 run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or
@@ -162,20 +164,7 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         from mhmoe.fused import chunked_moe, fused_moe
 
         return fused_moe if impl == "fused" else chunked_moe
-    if impl == "auto":
-        if x.is_cuda and grouped_mm_supported(x, experts):
-            return grouped_moe
-        if not x.is_cuda and thin_experts(x, experts):
-            from mhmoe.fused import chunked_moe
-
-            return chunked_moe
+    if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
+        return grouped_moe
     return sorted_moe
 
-
-def thin_experts(x: Tensor, experts: GroupedExperts) -> bool:
-    """Experts whose GEMMs are memory-bound on CPU, where ``chunked`` beats ``sorted``: inputs at most
-    64 wide in fp32 (32 in bf16), bias-free and not quantized -- MH-MoE with many heads at parameter
-    parity. Thresholds from ``benchmarks/thin_experts.py`` (docs/PERFORMANCE.md, "Thin experts")."""
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-    limit = 64 if dtype == torch.float32 else 32
-    return experts.d_in <= limit and experts.b1 is None and not experts.quantized

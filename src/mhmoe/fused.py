@@ -16,10 +16,12 @@ Two variants (``MoEConfig.impl``):
   from them instead of storing activation outputs.
 - ``chunked``: nothing of width F is stored. Each expert's rows run in chunks of C rows whose
   [C, F] hidden block stays in cache; the backward recomputes the up-projections chunk by chunk.
-  Thin, wide experts (MH-MoE at parameter parity with many heads: 16-48-dim sub-tokens, experts
-  thousands wide) are memory-bound -- their [N, F] hidden tensors are hundreds of MB per layer and
-  every element-wise pass and page fault over them costs more than their GEMMs -- so recomputing
-  is faster there and saves N*F*2 stored elements per layer (docs/PERFORMANCE.md, "Thin experts").
+  For thin, wide experts (MH-MoE at parameter parity with many heads: 16-48-dim sub-tokens,
+  experts thousands wide) the [N, F] hidden tensors are hundreds of MB to GB per layer; ``chunked``
+  keeps ~1/50 of the layer's activations for about one extra up-projection GEMM per expert. It
+  is the memory option, not the CPU default: measured faster than ``sorted`` only with glibc's
+  default malloc, which page-faults every large tensor again on every step (docs/PERFORMANCE.md,
+  "Thin experts"; :mod:`mhmoe.cpu_malloc`).
 
 Parallelism across experts (CPU): with many experts per thread, whole experts are spread over
 ``torch.get_num_threads()`` worker threads that each run single-threaded GEMMs
