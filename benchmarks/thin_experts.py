@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from mhmoe.bench import _autocast, _runner, machine_info, time_fn
-from mhmoe.cpu_malloc import tune_malloc
+from mhmoe.cpu_malloc import malloc_from_env
 from mhmoe.moe import build_ffn_layer
 from mhmoe.reproduce import SUITES
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    tune_malloc()  # as the mhmoe command does (MHMOE_MALLOC=system: glibc defaults)
+    malloc_from_env()  # as the mhmoe command does (MHMOE_MALLOC=tuned, docs/PERFORMANCE.md)
     if args.tokens < 1 or args.repeats < 1:
         print("thin_experts: error: invalid --tokens/--repeats: allowed >= 1", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mhmoe.cpu_malloc import tune_malloc
+from mhmoe.cpu_malloc import malloc_from_env
 from mhmoe.errors import ConfigError
 from mhmoe.evaluate import forward_flops_per_token
 from mhmoe.model import LM
@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tune_malloc()  # as the mhmoe command does (MHMOE_MALLOC=system: glibc defaults)
+    malloc_from_env()  # as the mhmoe command does (MHMOE_MALLOC=tuned, docs/PERFORMANCE.md)
     try:
         if args.steps < 1 or args.warmup < 0 or args.threads < 0:
             raise ConfigError("--steps/--warmup/--threads", (args.steps, args.warmup, args.threads),

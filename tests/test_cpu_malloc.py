@@ -7,8 +7,8 @@ import pytest
 
 CHECK = """
 import ctypes, sys
-from mhmoe.cpu_malloc import tune_malloc
-applied = tune_malloc()
+from mhmoe.cpu_malloc import malloc_from_env
+applied = malloc_from_env()
 print(applied)
 if applied:  # a freed 256 MB block comes back from the heap, not a fresh mmap: RSS stays at the peak
     import resource
@@ -32,7 +32,7 @@ def _run(env: dict[str, str]) -> list[str]:
 def test_tune_malloc_reuses_freed_memory(monkeypatch):
     import os
 
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MHMOE_MALLOC")}
+    env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "MHMOE_MALLOC": "tuned"}
     got = _run(env)
     if got[0] == "False":
         pytest.skip("not glibc")
@@ -40,8 +40,8 @@ def test_tune_malloc_reuses_freed_memory(monkeypatch):
     assert int(got[1]) < 1000, got
 
 
-def test_tune_malloc_opt_out():
+def test_malloc_left_alone_by_default():
     import os
 
-    env = {**os.environ, "MHMOE_MALLOC": "system"}
+    env = {k: v for k, v in os.environ.items() if k != "MHMOE_MALLOC"}
     assert _run(env) == ["False"]

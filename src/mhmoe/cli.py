@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from mhmoe.cpu_malloc import tune_malloc
+from mhmoe.cpu_malloc import malloc_from_env
 from mhmoe.planner import format_plan, plan
 
 
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    tune_malloc()  # reuse freed CPU memory across steps (mhmoe.cpu_malloc; MHMOE_MALLOC=system: off)
+    malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.cpu_malloc)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
