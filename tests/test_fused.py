@@ -140,11 +140,14 @@ def test_expert_parallel_threads_match_oracle(variant):
 
 def test_expert_workers_rule():
     cpu = torch.device("cpu")
-    threads = torch.get_num_threads()
-    many, few = [5] * (MIN_EXPERTS_PER_WORKER * max(threads, 2)), [5, 0, 5]
+    torch.set_num_threads(2)  # conftest restores the thread count
+    many, few = [5] * (MIN_EXPERTS_PER_WORKER * 2), [5, 0, 5]
     assert expert_workers(few, cpu) == 1
-    assert expert_workers(many, cpu) == (threads if threads > 1 else 1)
+    assert expert_workers(many, cpu) == 2
+    assert expert_workers(many[1:], cpu) == 1
     assert expert_workers(many, torch.device("meta")) == 1
+    torch.set_num_threads(1)
+    assert expert_workers(many, cpu) == 1
 
 
 def test_worker_errors_propagate():
@@ -156,3 +159,20 @@ def test_worker_errors_propagate():
 
     with pytest.raises(RuntimeError, match="expert 1 failed"):
         _run_blocks([(0, slice(0, 2)), (1, slice(2, 4))], boom, 2)
+
+
+def test_flop_counter_sees_expert_threads_work():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.set_num_threads(2)  # 40 experts on 2 threads: expert_workers would use threads (conftest restores)
+    experts = GroupedExperts(40, 8, 16)
+    x = torch.randn(64, 8)
+    route = _route(64, 40, 2, torch.Generator().manual_seed(4))
+    counts = {}
+    for name, fn in (("sorted", sorted_moe), ("fused", lambda *a: fused_moe(*a, workers=None))):
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            fn(x, route, experts)
+        counts[name] = fc.get_total_flops()
+    # all expert GEMMs counted: 3 GEMMs of 2*D*F per routed row (fused adds only the K-slot combine bmm)
+    assert counts["fused"] >= 64 * 2 * 3 * 2 * 8 * 16
+    assert counts["fused"] >= counts["sorted"] * 0.9

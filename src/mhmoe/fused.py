@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.experts import GroupedExperts
 from mhmoe.routers import RouterOutput
@@ -193,8 +194,10 @@ class _FusedMoE(torch.autograd.Function):
 def expert_workers(counts: list[int], device: torch.device) -> int:
     """Threads for :func:`_run_blocks`: on CPU, ``torch.get_num_threads()`` when there are at least
     ``MIN_EXPERTS_PER_WORKER`` non-empty experts per thread (then whole experts keep every core
-    busy with single-threaded GEMMs, measured faster than splitting each small GEMM), else 1."""
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    busy with single-threaded GEMMs, measured faster than splitting each small GEMM), else 1.
+    Also 1 under a ``TorchDispatchMode`` (``FlopCounterMode``, fake tensors): modes are per thread,
+    so ops run on worker threads would escape them."""
+    threads = torch.get_num_threads() if device.type == "cpu" and not is_in_torch_dispatch_mode() else 1
     active = sum(1 for c in counts if c)
     return threads if threads > 1 and active >= MIN_EXPERTS_PER_WORKER * threads else 1
 
