@@ -21,8 +21,9 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
   ``grouped_mm`` on CUDA, ``sorted`` on CPU. ``chunked`` is the memory option (it keeps ~1/50 of
-  the activations for thin, wide experts), not the default: with the ``mhmoe`` command's malloc
-  setting (:mod:`mhmoe.cpu_malloc`) ``sorted`` was faster in nearly every measured row.
+  the activations for thin, wide experts), not the default: it beat ``sorted`` only under glibc's
+  default malloc; with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) ``sorted`` was
+  faster in nearly every measured row.
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
 run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or

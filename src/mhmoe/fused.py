@@ -86,12 +86,13 @@ def _run_blocks(blocks: list[tuple[int, slice]], work: Callable[[int, slice], No
     per_expert: dict[int, list[slice]] = {}
     for e, r in blocks:
         per_expert.setdefault(e, []).append(r)
+    rows = {e: sum(r.stop - r.start for r in rs) for e, rs in per_expert.items()}
     lanes: list[list[tuple[int, slice]]] = [[] for _ in range(workers)]
     loads = [0] * workers
-    for e in sorted(per_expert, key=lambda e: -sum(r.stop - r.start for r in per_expert[e])):
+    for e in sorted(rows, key=rows.__getitem__, reverse=True):
         i = loads.index(min(loads))
         lanes[i] += [(e, r) for r in per_expert[e]]
-        loads[i] += sum(r.stop - r.start for r in per_expert[e])
+        loads[i] += rows[e]
 
     def lane(items: list[tuple[int, slice]]) -> None:
         with torch.no_grad():  # grad mode is per thread; the buffers are written with out=
