@@ -107,6 +107,23 @@ def test_bf16_sorted_close_to_fp32_oracle():
     torch.testing.assert_close(got.out.float(), expect, rtol=0.05, atol=0.02)
 
 
+@pytest.mark.parametrize("impl", ["padded", "sorted", "grouped_mm", "fused", "chunked"])
+def test_every_path_under_bf16_autocast_close_to_fp32_oracle(impl):
+    # fp32 weights, bf16 autocast (the training setup): every path runs, and its outputs and
+    # fp32 weight gradients stay close to the fp32 oracle
+    cfg = MoEConfig(n_experts=6, top_k=2, d_expert=32, heads=2, head_layer=True, merge_layer=True, impl=impl)
+    fast, ref = oracle_pair(64, cfg)
+    x = torch.randn(3, 5, 64)
+    want, _, g_want = _run(ref, x, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, g_got = _run(fast, x, None)
+    assert got.out.dtype == torch.bfloat16
+    torch.testing.assert_close(got.out.float(), want.out, rtol=0.05, atol=0.02)
+    for name, g in g_want.items():
+        assert g_got[name].dtype == torch.float32, name
+        torch.testing.assert_close(g_got[name], g, rtol=0.05, atol=0.05 * float(g.abs().max()), msg=name)
+
+
 def test_h1_without_head_merge_equals_plain_moe():
     cfg = MoEConfig(n_experts=5, top_k=2, d_expert=16, n_shared=1, d_shared=8)
     plain = MoELayer(24, cfg)

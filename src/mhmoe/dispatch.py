@@ -87,16 +87,25 @@ def sorted_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     """Dropless grouped dispatch. x: [S, D_in] -> [S, D_in] = sum_k w[s,k] * Expert_{e[s,k]}(x[s])."""
     K = route.experts.shape[1]
     order, _, counts = sort_slots(route.experts, route.valid, experts.n_experts)
-    rows = experts.forward_sorted(x[order // K], counts)  # [N, D_in]
+    # index_select, not x[idx]: its backward is an index_add, not a serialised accumulate-index_put (6x faster)
+    rows = experts.forward_sorted(x.index_select(0, order // K), counts)  # [N, D_in]
     return _combine(rows, order, route)
 
 
 def _combine(rows: Tensor, order: Tensor, route: RouterOutput) -> Tensor:
-    """Scatter expert outputs [N, D] back to slot order and sum the K slots with their weights."""
+    """out[s] = sum_k w[s,k] * rows[row of slot (s,k)] for expert outputs rows [N, D] in ``order``.
+
+    One ``embedding_bag`` (gather + weighted sum over the K slots, no scatter into a [S*K, D] buffer);
+    invalid slots read an appended zero row.
+    """
     S, K = route.experts.shape
-    slots = rows.new_zeros(S * K, rows.shape[1])  # rows' dtype: bf16 under autocast
-    slots[order] = rows
-    return (slots.view(S, K, -1) * route.weights.to(rows.dtype)[:, :, None]).sum(1)
+    N = order.numel()
+    if N < S * K:
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    slot_row = torch.full((S * K,), N, dtype=torch.long, device=rows.device)
+    slot_row[order] = torch.arange(N, device=rows.device)
+    return torch.nn.functional.embedding_bag(slot_row.view(S, K), rows, mode="sum",
+                                             per_sample_weights=route.weights.to(rows.dtype))
 
 
 def padded_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
@@ -116,7 +125,7 @@ def padded_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     dest = torch.where(live, sorted_key.clamp_max(E - 1) * C + torch.arange(S * K, device=x.device)
                        - starts[sorted_key.clamp_max(E - 1)], 0)
     n = int(counts.sum())  # == live.sum(); live slots come first in the stable sort
-    xp = x.new_zeros(E * C, x.shape[1]).index_put((dest[:n],), x[order[:n] // K])
+    xp = x.new_zeros(E * C, x.shape[1]).index_put((dest[:n],), x.index_select(0, order[:n] // K))
     y = experts.forward_padded(xp.view(E, C, -1)).view(E * C, -1)  # [E*C, D_in]
     slot_row = torch.empty_like(dest)
     slot_row[order] = dest  # [S*K]: padded row holding each slot's output
@@ -136,7 +145,7 @@ def grouped_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tens
     # rows past offsets[-1] (invalid slots) are not computed: their outputs, and their input gradients
     # in the backward, are undefined memory -- torch.where on both sides discards them (a select, so
     # even NaN garbage cannot leak).
-    xs = torch.where(live, x[order // K], 0)
+    xs = torch.where(live, x.index_select(0, order // K), 0)
     rows = torch.where(live, experts.forward_grouped(xs, offsets, torch.where(live[:, 0], sorted_key, -1)), 0)
     return _combine(rows, order, route)
 

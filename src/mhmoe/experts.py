@@ -165,6 +165,10 @@ class GroupedExperts(nn.Module):
             idx = expert_of_row.clamp_min(0)
             bias = lambda b: torch.where(live, b[idx], 0)  # noqa: E731 -- select: no gradient to dead rows
         x = activation_quant(x_sorted) if self.quantized else x_sorted
+        if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not autocast-aware: cast like a matmul
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+            w3 = None if w3 is None else w3.to(dt)
         h = gmm(x, w1, offs=offsets)
         if b1 is not None:
             h = h + bias(b1)

@@ -112,6 +112,23 @@ def _up(x: Tensor, w1: Tensor, w3: Tensor | None, h1: Tensor | None = None,
     return h1, torch.mm(x, w3) if h3 is None else torch.mm(x, w3, out=h3)
 
 
+def _wgrad(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """dst = a @ b for an expert's first block (no zero-filled gradient buffers), else dst += a @ b."""
+    if first:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.addmm_(a, b)
+
+
+def _zero_empty(counts: list[int], *grads: Tensor | None) -> None:
+    """Zero the weight gradients of experts that got no rows (the others are written by ``_wgrad``)."""
+    for e, c in enumerate(counts):
+        if not c:
+            for g in grads:
+                if g is not None:
+                    g[e].zero_()
+
+
 class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, order: Tensor,
@@ -136,8 +153,8 @@ class _FusedMoE(torch.autograd.Function):
             torch.mm(a, w2[e], out=ys[r])
 
         _run_blocks(_blocks(counts, chunk), block, workers)
-        y_slots = ys.index_select(0, inv).view(S, K, D)  # gather back to slot order
-        out = torch.bmm(weights.unsqueeze(1), y_slots).squeeze(1)  # sum_k w[s,k] y[s,k]
+        # out[s] = sum_k w[s,k] ys[inv[s,k]]: gather and weighted sum over the K slots in one kernel
+        out = F.embedding_bag(inv.view(S, K), ys, mode="sum", per_sample_weights=weights)
         ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3, order, inv)
         ctx.counts, ctx.chunk, ctx.workers = counts, chunk, workers
         return out
@@ -149,46 +166,47 @@ class _FusedMoE(torch.autograd.Function):
         S, K = weights.shape
         D = w1.shape[1]
         N = sum(counts)
-        dout = dout.contiguous()
-        y_slots = ys.index_select(0, inv).view(S, K, D)
-        dweights = torch.bmm(y_slots, dout.unsqueeze(2)).squeeze(2)  # [S, K]
         sorted_slots = order[:N]
         tok = torch.div(sorted_slots, K, rounding_mode="floor")
-        # d ys[n] = w[slot n] * dout[token of slot n]: a gather in expert order
-        dys = dout.index_select(0, tok) * weights.reshape(-1).index_select(0, sorted_slots).unsqueeze(1)
-        # zero-initialised: experts without rows get a zero gradient; chunks accumulate with addmm_
-        gw1, gw2 = torch.zeros_like(w1), torch.zeros_like(w2)
-        gw3 = torch.zeros_like(w3) if w3 is not None else None
+        g = dout.contiguous().index_select(0, tok)  # [N, D]: dout of each row's token (private, scaled in place)
+        w_rows = weights.reshape(-1).index_select(0, sorted_slots).unsqueeze(1)  # [N, 1]
+        dw_rows = weights.new_zeros(S * K)  # d w per sorted row; rows >= N (invalid slots) stay 0
+        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
+        gw3 = torch.empty_like(w3) if w3 is not None else None
+        _zero_empty(counts, gw1, gw2, gw3)
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
         dxs = xs.new_empty(S * K, D)
         dxs[N:].zero_()
         def block(e: int, r: slice) -> None:
-            x_, dy = xs[r], dys[r]
-            if chunk:  # recompute the up-projections of this chunk (private buffers: modified in place)
+            first = r.start == starts[e]
+            x_, dy = xs[r], g[r]
+            torch.sum(ys[r] * dy, 1, out=dw_rows[r])  # d w[slot] = <y_slot, dout[token]>
+            dy.mul_(w_rows[r])  # d y_slot = w[slot] * dout[token]
+            if chunk:  # recompute the up-projections of this chunk (private buffers)
                 a1, a3 = _up(x_, w1[e], w3[e] if w3 is not None else None)
             else:
                 a1, a3 = h1[r], h3[r] if h3 is not None else None
             da = torch.mm(dy, w2[e].t())
             if a3 is not None:
-                sig = torch.sigmoid(a1)
-                silu = a1 * sig
-                gw2[e].addmm_((silu * a3).t(), dy)
-                dh3 = da * silu
-                # d silu(h)/dh = sig * (1 + h * (1 - sig)), built in the recomputed or fresh buffers
-                dsilu = sig.mul_((a1 * (1 - sig)).add_(1))
-                dh1 = da.mul_(a3).mul_(dsilu)
-                gw3[e].addmm_(x_.t(), dh3)
+                act = F.silu(a1)
+                dh3 = da * act
+                _wgrad(gw2[e], act.mul_(a3).t(), dy, first)  # the activation W2 saw: silu(h1) * h3
+                dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(a3), a1, grad_input=da)
+                _wgrad(gw3[e], x_.t(), dh3, first)
                 torch.mm(dh3, w3[e].t(), out=dxs[r])
                 dxs[r].addmm_(dh1, w1[e].t())
             else:
-                mask = a1 > 0
-                gw2[e].addmm_(F.relu(a1).t(), dy)
-                dh1 = da.mul_(mask)
+                _wgrad(gw2[e], F.relu(a1).t(), dy, first)
+                dh1 = torch.ops.aten.threshold_backward(da, a1, 0)
                 torch.mm(dh1, w1[e].t(), out=dxs[r])
-            gw1[e].addmm_(x_.t(), dh1)
+            _wgrad(gw1[e], x_.t(), dh1, first)
 
         _run_blocks(_blocks(counts, chunk), block, ctx.workers)
-        # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation, sum over K (no atomics)
-        dx = dxs.index_select(0, inv).view(S, K, D).sum(1)
+        dweights = dw_rows.index_select(0, inv).view(S, K)
+        # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
+        dx = F.embedding_bag(inv.view(S, K), dxs, mode="sum")
         return dx, dweights, gw1, gw2, gw3, None, None, None, None, None
 
 
