@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from mhmoe.bench import time_fns
 from mhmoe.cli import main
 
 
@@ -55,3 +57,18 @@ def test_peer_layer_shapes_and_grads(heads, k):
     (out.out.sum() + out.aux_loss).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert build_peer("st_moe", 48, 6, 32, 1, heads, group=8) is None  # top-1: not expressible
+
+
+def test_time_fns_round_robin_and_fallible_peers():
+    calls: list[str] = []
+
+    def fails():
+        raise RuntimeError("cannot run this config\nmore detail")
+
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "peer": fails}
+    times, errors = time_fns(fns, torch.device("cpu"), repeats=3, warmup=1, fallible=frozenset({"peer"}))
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert errors == {"peer": "cannot run this config"}
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then one of each per repeat, in turn
+    with pytest.raises(RuntimeError):  # our own paths must not fail silently
+        time_fns({"ours": fails}, torch.device("cpu"), repeats=1)

@@ -117,7 +117,9 @@ def test_chunk_rows_budget():
 def test_chunked_is_explicit_and_not_for_quantized_experts():
     x = torch.randn(2, 24)
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64)) is chunked_moe
-    assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is sorted_moe  # CPU default (docs/PERFORMANCE.md)
+    # CPU default (docs/PERFORMANCE.md): fused; experts it does not cover (biases) fall back to sorted
+    assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is fused_moe
+    assert choose_impl("auto", x, GroupedExperts(8, 24, 64, bias=True)) is sorted_moe
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
 
 
@@ -176,3 +178,17 @@ def test_flop_counter_sees_expert_threads_work():
     # all expert GEMMs counted: 3 GEMMs of 2*D*F per routed row (fused adds only the K-slot combine bmm)
     assert counts["fused"] >= 64 * 2 * 3 * 2 * 8 * 16
     assert counts["fused"] >= counts["sorted"] * 0.9
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_input_without_grad_skips_dx_and_keeps_weight_grads(chunk):
+    gen = torch.Generator().manual_seed(7)
+    experts = GroupedExperts(5, 8, 24, "swiglu", init_std=0.3)
+    x = torch.randn(30, 8, generator=gen)  # no requires_grad: the backward skips the input-side GEMMs
+    route = _route(30, 5, 2, gen)
+    got, g_got = _grads(lambda *a: fused_moe(*a, chunk=chunk), x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    assert g_got[0] is None and g_want[0] is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got[1:], g_want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

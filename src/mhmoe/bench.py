@@ -5,8 +5,10 @@ fine-grained 16x1024 top-2, MH-MoE h=2 40x768 top-2 and h=3 96x512 top-3 (with h
 The dense reference is one SwiGLU FFN whose hidden width makes its matmul FLOPs equal to the MoE
 layer's, *measured* with FlopCounterMode (so head/merge and router FLOPs are included).
 
-Timing: warm-up, then the median of ``repeats`` runs; ``fwd`` runs under ``torch.no_grad()``,
-``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients.
+Timing: warm-up, then the median of ``repeats`` runs, all candidates of a row timed round-robin
+(:func:`time_fns`); ``fwd`` runs under ``torch.no_grad()``,
+``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients and (by
+default) the input's gradient, as for any layer inside a network.
 """
 
 from __future__ import annotations
@@ -81,16 +83,38 @@ def _sync(device: torch.device) -> None:
 
 def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median wall time of ``fn`` in milliseconds."""
-    for _ in range(warmup):
-        fn()
+    return time_fns({"fn": fn}, device, repeats, warmup)[0]["fn"]
+
+
+def time_fns(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 2,
+             fallible: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
+    """Median wall time in ms of every function, measured **round-robin**: each repeat runs every
+    function once in turn, so slow drifts of a shared machine (other tenants, frequency, memory
+    state) hit all candidates alike instead of whichever happened to be timed last.
+
+    A function named in ``fallible`` that raises ``RuntimeError`` in the warm-up is dropped and its
+    first error line returned in the second dict (peers that cannot run a config); other errors propagate.
+    """
+    errors: dict[str, str] = {}
+    live = dict(fns)
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except RuntimeError as e:
+            if name not in fallible:
+                raise
+            errors[name] = str(e).splitlines()[0][:200]
+            del live[name]
     _sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for name, fn in live.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}, errors
 
 
 def _runner(module: torch.nn.Module, x: torch.Tensor, pass_: str) -> Callable[[], Any]:
@@ -100,6 +124,7 @@ def _runner(module: torch.nn.Module, x: torch.Tensor, pass_: str) -> Callable[[]
 
     def fwd_bwd() -> Any:
         module.zero_grad(set_to_none=True)
+        x.grad = None
         out = module(x)
         y, aux = (out.out, out.aux_loss) if hasattr(out, "out") else (out, 0.0)
         (y.float().sum() + aux).backward()
@@ -117,14 +142,17 @@ def _autocast(fn: Callable[[], Any], device: torch.device, dtype: torch.dtype) -
 
 def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        module(x)
+        module(x.detach())  # FlopCounterMode's module tracker cannot hook a grad-requiring input under no_grad
     return counter.get_total_flops()
 
 
 def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = ()) -> list[dict]:
+                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = (),
+                 input_grad: bool = True) -> list[dict]:
+    """``input_grad``: the backward also computes the layer input's gradient, as every layer inside a
+    network must (off, a path may skip its input-side GEMMs and a dense FFN its W1/W3 data gradients)."""
     torch.manual_seed(0)
-    x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype)
+    x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
     layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
               for impl in available_impls(device)}
     first = next(iter(layers.values()))
@@ -148,33 +176,35 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
-                               "tokens": tokens, "flops_fwd": flops, "dense_hidden": dense_hidden}
-        for impl, layer in layers.items():
-            row[f"ms_{impl}"] = time_fn(_runner(layer, x, pass_), device, repeats)
+                               "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
+                               "dense_hidden": dense_hidden}
+        fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
+        fns["ms_dense"] = _runner(dense, x, pass_)
+        if loop is not None:
+            fns["ms_loop"] = _runner(loop, x, pass_)
+        for name, layer in peer_layers.items():  # bf16: under autocast (fp32 weights)
+            run = _runner(layer, x, pass_)
+            fns[f"ms_peer_{name}"] = run if dtype == torch.float32 else _autocast(run, device, dtype)
+        times, errors = time_fns(fns, device, repeats, fallible=frozenset(f"ms_peer_{n}" for n in peer_layers))
+        row.update(times)
         best = min(layers, key=lambda i: row[f"ms_{i}"])
         row["best_impl"] = best
         row["ms_ours"] = row[f"ms_{best}"]
-        row["ms_dense"] = time_fn(_runner(dense, x, pass_), device, repeats)
-        row["ms_loop"] = time_fn(_runner(loop, x, pass_), device, repeats) if loop is not None else None
+        row.setdefault("ms_loop", None)
         row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
         row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
-        for name, layer in peer_layers.items():
-            try:
-                run = _runner(layer, x, pass_)
-                if dtype != torch.float32:
-                    run = _autocast(run, device, dtype)
-                row[f"ms_peer_{name}"] = time_fn(run, device, repeats)
-                row[f"ratio_peer_{name}"] = row[f"ms_peer_{name}"] / row["ms_ours"]
-            except RuntimeError as e:  # a peer that cannot run this config/dtype: recorded, not fatal
-                row[f"ms_peer_{name}"] = row[f"ratio_peer_{name}"] = None
-                row.setdefault("peer_errors", {})[name] = str(e).splitlines()[0][:200]
+        for name in peer_layers:
+            ms = row.setdefault(f"ms_peer_{name}", None)
+            row[f"ratio_peer_{name}"] = ms / row["ms_ours"] if ms else None
+            if f"ms_peer_{name}" in errors:  # a peer that cannot run this config/dtype: recorded, not fatal
+                row.setdefault("peer_errors", {})[name] = errors[f"ms_peer_{name}"]
         rows.append(row)
     return rows
 
 
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
                   with_loop: bool = True, progress: Callable[[str], None] | None = None,
-                  peers: tuple[str, ...] = ()) -> dict:
+                  peers: tuple[str, ...] = (), input_grad: bool = True) -> dict:
     """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.bench_peers.installed_peers`."""
     dev = torch.device(device)
     rows: list[dict] = []
@@ -183,7 +213,7 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
             if progress:
                 progress(f"{name} {dt}")
             rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
-                                 peers=tuple(peers))
+                                 peers=tuple(peers), input_grad=input_grad)
     smoe = {(r["dtype"], r["pass"]): r["ms_ours"] for r in rows if r["config"] == "smoe"}
     for r in rows:
         base = smoe.get((r["dtype"], r["pass"]))

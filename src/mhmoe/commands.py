@@ -238,6 +238,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
+    p.add_argument("--no-input-grad", action="store_true",
+                   help="fwd_bwd without the layer input's gradient (default: with it, as inside a network)")
     p.add_argument("--peers", nargs="*", default=None, metavar="PEER",
                    help="peer MoE libraries to time (st_moe, moe; default: those installed -- the `bench` extra); "
                    "--peers with no name skips them")
@@ -261,7 +263,7 @@ def _run_bench(args) -> int:
         raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench]')")
     device = resolve_device(args.device)
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
-                           with_loop=not args.no_loop, peers=tuple(peers),
+                           with_loop=not args.no_loop, peers=tuple(peers), input_grad=not args.no_input_grad,
                            progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
     if args.json == "-":
         print(json.dumps(result, indent=2))

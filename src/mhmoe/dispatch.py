@@ -20,10 +20,10 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   rows into cache-sized chunks and recomputes the hidden layer in the backward (no [N, F] storage).
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA, ``sorted`` on CPU. ``chunked`` is the memory option (it keeps ~1/50 of
-  the activations for thin, wide experts), not the default: it beat ``sorted`` only under glibc's
-  default malloc; with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) ``sorted`` was
-  faster in nearly every measured row.
+  ``grouped_mm`` on CUDA, ``fused`` on CPU (``sorted`` for experts ``fused`` does not cover: biases,
+  quantization). ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin,
+  wide experts), not the default: it beat the others only under glibc's default malloc; with
+  tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) it was slower in nearly every row.
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
 run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or
@@ -176,5 +176,9 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         return fused_moe if impl == "fused" else chunked_moe
     if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
         return grouped_moe
+    if impl == "auto" and not x.is_cuda and not experts.quantized and experts.b1 is None:
+        from mhmoe.fused import fused_moe
+
+        return fused_moe
     return sorted_moe
 

@@ -177,8 +177,10 @@ class _FusedMoE(torch.autograd.Function):
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
-        dxs = xs.new_empty(S * K, D)
-        dxs[N:].zero_()
+        need_dx = ctx.needs_input_grad[0]  # False e.g. for a first layer fed by a frozen input
+        dxs = xs.new_empty(S * K, D) if need_dx else None
+        if need_dx:
+            dxs[N:].zero_()
         def block(e: int, r: slice) -> None:
             first = r.start == starts[e]
             x_, dy = xs[r], g[r]
@@ -195,18 +197,20 @@ class _FusedMoE(torch.autograd.Function):
                 _wgrad(gw2[e], act.mul_(a3).t(), dy, first)  # the activation W2 saw: silu(h1) * h3
                 dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(a3), a1, grad_input=da)
                 _wgrad(gw3[e], x_.t(), dh3, first)
-                torch.mm(dh3, w3[e].t(), out=dxs[r])
-                dxs[r].addmm_(dh1, w1[e].t())
+                if need_dx:
+                    torch.mm(dh3, w3[e].t(), out=dxs[r])
+                    dxs[r].addmm_(dh1, w1[e].t())
             else:
                 _wgrad(gw2[e], F.relu(a1).t(), dy, first)
                 dh1 = torch.ops.aten.threshold_backward(da, a1, 0)
-                torch.mm(dh1, w1[e].t(), out=dxs[r])
+                if need_dx:
+                    torch.mm(dh1, w1[e].t(), out=dxs[r])
             _wgrad(gw1[e], x_.t(), dh1, first)
 
         _run_blocks(_blocks(counts, chunk), block, ctx.workers)
         dweights = dw_rows.index_select(0, inv).view(S, K)
         # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
-        dx = F.embedding_bag(inv.view(S, K), dxs, mode="sum")
+        dx = F.embedding_bag(inv.view(S, K), dxs, mode="sum") if need_dx else None
         return dx, dweights, gw1, gw2, gw3, None, None, None, None, None
 
 
