@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mhmoe.bench import _autocast, _runner, machine_info, time_fn
+from mhmoe.bench import _autocast, _runner, machine_info, time_fns
 from mhmoe.cpu_malloc import malloc_from_env
 from mhmoe.moe import build_ffn_layer
 from mhmoe.reproduce import SUITES
@@ -58,14 +58,16 @@ def bench_rows(tokens: int, dtypes: list[str], repeats: int, scale: str = "tiny"
             dtype = getattr(torch, dname)
             row = {"label": suite_row.label, "heads": moe.heads, "d_in": d // moe.heads, "d_hidden": moe.d_expert,
                    "experts": moe.n_experts, "top_k": moe.top_k, "dtype": dname, "tokens": tokens}
+            layers, fns = {}, {}
+            x = torch.randn(tokens, d, requires_grad=True)
             for impl in IMPLS:
                 torch.manual_seed(0)
-                layer = build_ffn_layer(d, replace(moe, impl=impl))
-                x = torch.randn(tokens, d, requires_grad=True)
-                fn = _runner(layer, x, "fwd_bwd")
-                if dtype != torch.float32:
-                    fn = _autocast(fn, x.device, dtype)
-                row[f"ms_{impl}"] = time_fn(fn, x.device, repeats, warmup=1)
+                layers[impl] = build_ffn_layer(d, replace(moe, impl=impl))
+                fn = _runner(layers[impl], x, "fwd_bwd")
+                fns[impl] = _autocast(fn, x.device, dtype) if dtype != torch.float32 else fn
+            times, _ = time_fns(fns, x.device, repeats, warmup=1)  # round-robin over the paths
+            for impl, layer in layers.items():
+                row[f"ms_{impl}"] = times[impl]
                 row[f"saved_mb_{impl}"] = saved_bytes(layer, x, dtype) / 2**20
                 print(f"{suite_row.label} {dname} {impl}: {row[f'ms_{impl}']:.0f} ms, "
                       f"{row[f'saved_mb_{impl}']:.0f} MB saved", file=sys.stderr, flush=True)

@@ -20,10 +20,11 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   rows into cache-sized chunks and recomputes the hidden layer in the backward (no [N, F] storage).
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA, ``fused`` on CPU (``sorted`` for experts ``fused`` does not cover: biases,
-  quantization). ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin,
-  wide experts), not the default: it beat the others only under glibc's default malloc; with
-  tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) it was slower in nearly every row.
+  ``grouped_mm`` on CUDA, ``fused`` on CPU for experts of width ``d_in >= FUSED_MIN_WIDTH``
+  (``sorted`` for thinner experts and for those ``fused`` does not cover: biases, quantization).
+  ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
+  the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) it was slower than
+  ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
 run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or
@@ -40,6 +41,12 @@ from torch import Tensor
 from mhmoe.experts import GroupedExperts
 from mhmoe.reference import loop_moe
 from mhmoe.routers import RouterOutput
+
+# impl="auto" on CPU: fused for experts at least this wide (d_in). Thinner experts (MH-MoE with many
+# heads at parameter parity: d_in 16-96, F in the thousands) are bound by element-wise work on the
+# [N, F] hidden tensors, where sorted's stored activations need fewer passes than fused's recompute
+# (benchmarks/thin_experts.py; docs/PERFORMANCE.md).
+FUSED_MIN_WIDTH = 128
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -176,7 +183,8 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         return fused_moe if impl == "fused" else chunked_moe
     if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
         return grouped_moe
-    if impl == "auto" and not x.is_cuda and not experts.quantized and experts.b1 is None:
+    if (impl == "auto" and not x.is_cuda and not experts.quantized and experts.b1 is None
+            and experts.d_in >= FUSED_MIN_WIDTH):
         from mhmoe.fused import fused_moe
 
         return fused_moe
