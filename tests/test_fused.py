@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from mhmoe.dispatch import FUSED_MIN_WIDTH, apply_capacity, choose_impl, sorted_moe
+from mhmoe.dispatch import THIN_WIDTH, WIDE_HIDDEN, apply_capacity, choose_impl, sorted_moe
 from mhmoe.experts import GroupedExperts
 from mhmoe.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
 from mhmoe.reference import loop_moe
@@ -117,12 +117,13 @@ def test_chunk_rows_budget():
 def test_chunked_is_explicit_and_not_for_quantized_experts():
     x = torch.randn(2, 24)
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64)) is chunked_moe
-    # CPU default (docs/PERFORMANCE.md): fused for experts of width >= FUSED_MIN_WIDTH; thinner
-    # experts and those fused does not cover (biases) run sorted
-    wide = torch.randn(2, FUSED_MIN_WIDTH)
-    assert choose_impl("auto", wide, GroupedExperts(8, FUSED_MIN_WIDTH, 64)) is fused_moe
-    assert choose_impl("auto", wide, GroupedExperts(8, FUSED_MIN_WIDTH, 64, bias=True)) is sorted_moe
-    assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is sorted_moe
+    # CPU default (docs/PERFORMANCE.md): fused; thin, wide experts and those fused does not cover
+    # (biases) run sorted
+    assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is fused_moe
+    assert choose_impl("auto", x, GroupedExperts(8, 24, 64, bias=True)) is sorted_moe
+    assert choose_impl("auto", x, GroupedExperts(8, 24, WIDE_HIDDEN)) is sorted_moe  # thin and wide
+    wide_in = torch.randn(2, THIN_WIDTH)
+    assert choose_impl("auto", wide_in, GroupedExperts(2, THIN_WIDTH, WIDE_HIDDEN)) is fused_moe
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
 
 

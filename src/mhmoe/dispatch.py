@@ -20,8 +20,8 @@ Execution paths over the same :class:`~mhmoe.routers.RouterOutput` (``MoEConfig.
   rows into cache-sized chunks and recomputes the hidden layer in the backward (no [N, F] storage).
 - ``loop`` (:func:`mhmoe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA, ``fused`` on CPU for experts of width ``d_in >= FUSED_MIN_WIDTH``
-  (``sorted`` for thinner experts and for those ``fused`` does not cover: biases, quantization).
+  ``grouped_mm`` on CUDA, ``fused`` on CPU (``sorted`` for thin, wide experts -- :func:`thin_wide`
+  -- and for those ``fused`` does not cover: biases, quantization).
   ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
   the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.cpu_malloc`) it was slower than
   ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
@@ -42,11 +42,16 @@ from mhmoe.experts import GroupedExperts
 from mhmoe.reference import loop_moe
 from mhmoe.routers import RouterOutput
 
-# impl="auto" on CPU: fused for experts at least this wide (d_in). Thinner experts (MH-MoE with many
-# heads at parameter parity: d_in 16-96, F in the thousands) are bound by element-wise work on the
-# [N, F] hidden tensors, where sorted's stored activations need fewer passes than fused's recompute
-# (benchmarks/thin_experts.py; docs/PERFORMANCE.md).
-FUSED_MIN_WIDTH = 128
+# impl="auto" on CPU: fused, except for thin, wide experts -- d_in < THIN_WIDTH and F >= WIDE_HIDDEN
+# (MH-MoE with many heads at parameter parity: d_in 16-96, F in the thousands). Those are bound by
+# element-wise work on the [N, F] hidden tensors, where sorted's stored activations need fewer passes
+# than fused's recompute (benchmarks/thin_experts.py; docs/PERFORMANCE.md, "Thin experts").
+THIN_WIDTH, WIDE_HIDDEN = 128, 1024
+
+
+def thin_wide(experts: GroupedExperts) -> bool:
+    """Experts that ``impl="auto"`` runs with ``sorted`` rather than ``fused`` on CPU."""
+    return experts.d_in < THIN_WIDTH and experts.d_hidden >= WIDE_HIDDEN
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -183,8 +188,7 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts):
         return fused_moe if impl == "fused" else chunked_moe
     if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
         return grouped_moe
-    if (impl == "auto" and not x.is_cuda and not experts.quantized and experts.b1 is None
-            and experts.d_in >= FUSED_MIN_WIDTH):
+    if impl == "auto" and not x.is_cuda and not experts.quantized and experts.b1 is None and not thin_wide(experts):
         from mhmoe.fused import fused_moe
 
         return fused_moe
