@@ -35,6 +35,7 @@ Correctness: tested against the per-expert loop oracle (outputs and all gradient
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -174,9 +175,7 @@ class _FusedMoE(torch.autograd.Function):
         gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
         gw3 = torch.empty_like(w3) if w3 is not None else None
         _zero_empty(counts, gw1, gw2, gw3)
-        starts = [0]
-        for c in counts[:-1]:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(counts[:-1])]  # first sorted row of every expert
         need_dx = ctx.needs_input_grad[0]  # False e.g. for a first layer fed by a frozen input
         dxs = xs.new_empty(S * K, D) if need_dx else None
         if need_dx:
