@@ -15,9 +15,9 @@ import importlib.util
 
 import torch
 
-from mhmoe.bench import CONFIGS, D_MODEL, DTYPES, _runner, time_fns
-from mhmoe.cpu_malloc import malloc_from_env
-from mhmoe.moe import build_ffn_layer
+from mhmoe.moe.layers import build_ffn_layer
+from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner, time_fns
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 
 def load(path: str, name: str):

@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mhmoe.bench import machine_info, time_fn
-from mhmoe.cpu_malloc import malloc_from_env
+from mhmoe.research.bench import machine_info, time_fn
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 S, K, E, D, BLOCK_ROWS, FH = 12288, 3, 96, 256, 384, 512
 

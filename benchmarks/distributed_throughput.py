@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mhmoe.config.presets import get_preset
 from mhmoe.errors import ConfigError
-from mhmoe.model import LM
-from mhmoe.presets import get_preset
-from mhmoe.train import build_optimizer
+from mhmoe.model.lm import LM
+from mhmoe.train.optim import build_optimizer
 
 MODES = {  # name -> (processes, parallel mode, ep)
     "1 process": (1, "none", 1),
@@ -57,9 +57,9 @@ def _worker(rank: int, world: int, port: int, mode: str, ep: int, args: argparse
     par = None
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-        from mhmoe.distributed.data_parallel import parallelize
-        from mhmoe.distributed.env import init_distributed
-        from mhmoe.distributed.expert_parallel import a2a_bytes
+        from mhmoe.parallel.data_parallel import parallelize
+        from mhmoe.parallel.env import init_distributed
+        from mhmoe.parallel.expert_parallel import a2a_bytes
 
         par = parallelize(model, init_distributed("cpu", ep), mode)
     opt = build_optimizer(model, run.train)

@@ -25,11 +25,11 @@ import sys
 
 import torch
 
-from mhmoe.bench import CONFIGS, D_MODEL, DTYPES, _runner, machine_info, time_fns
-from mhmoe.cpu_malloc import malloc_from_env
-from mhmoe.fused import _blocks, _run_blocks, expert_workers, fused_moe
-from mhmoe.moe import build_ffn_layer
-from mhmoe.routers import RouterOutput
+from mhmoe.moe.dispatch.fused import _blocks, _run_blocks, expert_workers, fused_moe
+from mhmoe.moe.layers import build_ffn_layer
+from mhmoe.moe.routers import RouterOutput
+from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner, machine_info, time_fns
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 
 def balanced_route(S: int, E: int, K: int) -> RouterOutput:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from mhmoe.bench import _autocast, _runner, machine_info, time_fns
-from mhmoe.cpu_malloc import malloc_from_env
-from mhmoe.moe import build_ffn_layer
-from mhmoe.reproduce import SUITES
+from mhmoe.moe.layers import build_ffn_layer
+from mhmoe.research.bench import _autocast, _runner, machine_info, time_fns
+from mhmoe.research.reproduce import SUITES
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 IMPLS = ("sorted", "fused", "chunked")
 

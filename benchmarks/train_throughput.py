@@ -29,12 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mhmoe.cpu_malloc import malloc_from_env
+from mhmoe.config.presets import get_preset, preset_names
 from mhmoe.errors import ConfigError
-from mhmoe.evaluate import forward_flops_per_token
-from mhmoe.model import LM
-from mhmoe.presets import get_preset, preset_names
-from mhmoe.train import autocast_ctx, build_optimizer
+from mhmoe.model.lm import LM
+from mhmoe.runtime.cpu_malloc import malloc_from_env
+from mhmoe.runtime.device import autocast_ctx
+from mhmoe.train.evaluate import forward_flops_per_token
+from mhmoe.train.optim import build_optimizer
 
 DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n and "-bitnet" not in n]
 

@@ -2,8 +2,8 @@
 
 import copy
 
-from mhmoe.config import MoEConfig
-from mhmoe.moe import build_ffn_layer
+from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.layers import build_ffn_layer
 
 
 def oracle_pair(d_model: int, cfg: MoEConfig):

@@ -5,7 +5,10 @@ import json
 import pytest
 import torch
 
-from mhmoe.analysis import (
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.model.lm import LM
+from mhmoe.research.analysis import (
     activation_frequency,
     activation_ratio,
     assign_diversity,
@@ -15,8 +18,6 @@ from mhmoe.analysis import (
     summarize,
     write_report,
 )
-from mhmoe.config import MoEConfig
-from mhmoe.model import LM, ModelConfig
 
 
 def test_activation_frequency_and_ratio():

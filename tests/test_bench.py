@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from mhmoe.bench import time_fns
 from mhmoe.cli import main
+from mhmoe.research.bench import time_fns
 
 
 def test_bench_moe_json_schema(tmp_path, capsys):
@@ -27,7 +27,7 @@ def test_bench_moe_json_schema(tmp_path, capsys):
 
 def test_bench_peers_rows(tmp_path):
     """Peers (the `bench` extra) get their own columns where they can express the config (top-2 here)."""
-    from mhmoe.bench_peers import installed_peers
+    from mhmoe.research.bench_peers import installed_peers
 
     peers = installed_peers()
     if not peers:
@@ -48,7 +48,7 @@ def test_peer_layer_shapes_and_grads(heads, k):
     pytest.importorskip("st_moe_pytorch")
     import torch
 
-    from mhmoe.bench_peers import build_peer
+    from mhmoe.research.bench_peers import build_peer
 
     layer = build_peer("st_moe", 48, 6, 32, k, heads, group=8)
     x = torch.randn(16, 48, requires_grad=True)

@@ -14,7 +14,27 @@ import torch
 import torch.nn.functional as F
 from helpers import oracle_pair
 
-from mhmoe.bitnet import (
+from mhmoe.cli import main
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.presets import get_preset
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
+from mhmoe.errors import ConfigError
+from mhmoe.integrations.bitnet_packed import (
+    FILE_NAME,
+    export_bitnet,
+    load_packed,
+    pack_ternary,
+    read_metadata,
+    unpack_ternary,
+)
+from mhmoe.model.lm import LM
+from mhmoe.moe.dispatch import choose_impl
+from mhmoe.moe.dispatch.sorted import sorted_moe
+from mhmoe.moe.experts import GroupedExperts
+from mhmoe.quant.bitnet import (
     BitLinear,
     absmean_gamma,
     activation_codes,
@@ -23,17 +43,8 @@ from mhmoe.bitnet import (
     set_prequantized,
     weight_quant,
 )
-from mhmoe.bitnet_export import FILE_NAME, export_bitnet, load_packed, pack_ternary, read_metadata, unpack_ternary
-from mhmoe.cli import main
-from mhmoe.config import MoEConfig
-from mhmoe.data import DataConfig
-from mhmoe.dispatch import choose_impl, sorted_moe
-from mhmoe.errors import ConfigError
-from mhmoe.experts import GroupedExperts
-from mhmoe.model import LM, ModelConfig
-from mhmoe.presets import get_preset
-from mhmoe.runconfig import RunConfig, TrainConfig
-from mhmoe.train import build_optimizer, lr_lambda, train, weight_decay_at
+from mhmoe.train.loop import train
+from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 
 Q = "bitnet158"
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
@@ -353,7 +364,7 @@ def test_two_stage_schedule_resumes_bit_exactly(tmp_path):
     recs = [[json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, split)]
     assert [r["loss"] for r in recs[0]] == [r["loss"] for r in recs[1]]
     assert [r["lr"] for r in recs[0]] == [r["lr"] for r in recs[1]]
-    from mhmoe.checkpoint import load_latest
+    from mhmoe.train.checkpoint import load_latest
 
     a, b = load_latest(full).model.state_dict(), load_latest(split).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import mhmoe.checkpoint as ckpt_mod
-from mhmoe.checkpoint import list_checkpoints, load_checkpoint, load_latest, save_checkpoint, verify_checkpoint
-from mhmoe.config import MoEConfig
-from mhmoe.data import ByteTokenizer, DataConfig
+import mhmoe.train.checkpoint as ckpt_mod
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
+from mhmoe.data import ByteTokenizer
 from mhmoe.errors import CheckpointError
-from mhmoe.model import LM, ModelConfig
-from mhmoe.runconfig import RunConfig, TrainConfig
-from mhmoe.train import train
+from mhmoe.model.lm import LM
+from mhmoe.train.checkpoint import load_checkpoint, load_latest, save_checkpoint
+from mhmoe.train.checkpoint_format import list_checkpoints, verify_checkpoint
+from mhmoe.train.loop import train
 
 MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()

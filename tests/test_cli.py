@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from mhmoe.cli import main
-from mhmoe.config import MoEConfig
-from mhmoe.data import DataConfig
-from mhmoe.model import ModelConfig
-from mhmoe.runconfig import RunConfig, TrainConfig
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
 
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 

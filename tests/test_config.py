@@ -1,8 +1,8 @@
 import pytest
 
-from mhmoe.config import MoEConfig
+from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
-from mhmoe.moe import build_ffn_layer
+from mhmoe.moe.layers import build_ffn_layer
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""glibc malloc tuning (mhmoe.cpu_malloc), each check in a fresh interpreter: mallopt is process-wide."""
+"""glibc malloc tuning (mhmoe.runtime.cpu_malloc), each check in a fresh interpreter: mallopt is process-wide."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 CHECK = """
 import ctypes, sys
-from mhmoe.cpu_malloc import malloc_from_env
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 applied = malloc_from_env()
 print(applied)
 if applied:  # a freed 256 MB block comes back from the heap, not a fresh mmap: RSS stays at the peak

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mhmoe.config import MoEConfig
-from mhmoe.moe import build_ffn_layer
+from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.layers import build_ffn_layer
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -64,7 +64,7 @@ EP_CASES = {
 
 
 def _ep_worker(rank: int, world: int, names: list[str]) -> None:
-    from mhmoe.distributed.expert_parallel import apply_expert_parallel
+    from mhmoe.parallel.expert_parallel import apply_expert_parallel
 
     group = dist.group.WORLD
     for name in names:
@@ -156,7 +156,7 @@ def _case_run(root: Path, name: str, **override):
 
 
 def _train_worker(rank: int, world: int, root: str) -> None:
-    from mhmoe.train import train
+    from mhmoe.parallel import train_parallel as train
 
     for name in TRAIN_CASES:
         train(_case_run(Path(root), name), Path(root) / name, progress=False)
@@ -183,7 +183,7 @@ def dist_runs(tmp_path_factory):
     """The three 2-process training runs (one spawn)."""
     from test_train import write_corpus
 
-    from mhmoe.train import train
+    from mhmoe.train.loop import train
 
     root = tmp_path_factory.mktemp("dist")
     write_corpus(root / "corpus")
@@ -201,7 +201,7 @@ def _records(d: Path) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(TRAIN_CASES))
 def test_data_parallel_loss_curve_matches_single_process(dist_runs, tmp_path, monkeypatch, name):
-    from mhmoe.train import train
+    from mhmoe.train.loop import train
 
     _union_sampler(monkeypatch)
     ref_dir = tmp_path / "ref"
@@ -221,7 +221,7 @@ def test_data_parallel_loss_curve_matches_single_process(dist_runs, tmp_path, mo
 
 def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
     """Without the union sampler (one process, its own batches) the curve differs: the comparison can fail."""
-    from mhmoe.train import train
+    from mhmoe.train.loop import train
 
     train(_case_run(dist_runs, "ddp", parallel="none", batch_size=8), tmp_path / "plain", progress=False)
     a, b = [r["loss"] for r in _records(dist_runs / "ddp")], [r["loss"] for r in _records(tmp_path / "plain")]
@@ -230,9 +230,10 @@ def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
 
 # ---- (c) DCP checkpoint saved by 2 ranks (EP) loads in 1 process, converts, and training continues ----------
 def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_path, monkeypatch):
-    from mhmoe.checkpoint import list_checkpoints, load_latest
-    from mhmoe.distributed.checkpoint import dcp_to_safetensors, safetensors_to_dcp
-    from mhmoe.train import train
+    from mhmoe.parallel.checkpoint import dcp_to_safetensors, safetensors_to_dcp
+    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.train.checkpoint_format import list_checkpoints
+    from mhmoe.train.loop import train
 
     src = dist_runs / "ddp-ep2-accum"
     assert [p.name for p in list_checkpoints(src)] == ["step_00000003", "step_00000006"]
@@ -265,7 +266,7 @@ def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_pat
         assert torch.equal(a[k], b[k]) and torch.equal(a[k], back[k]), k
     # FSDP2 + EP shards (ep outer, dp inner) reassemble too: one process evaluates as the 2 ranks did
     from mhmoe.data import prepare_data
-    from mhmoe.evaluate import evaluate
+    from mhmoe.train.evaluate import evaluate
 
     ck = load_latest(dist_runs / "fsdp-ep2")
     cfg = ck.run.train
@@ -283,7 +284,7 @@ def test_torchrun_cli_resumes_an_ep_checkpoint_with_fsdp(dist_runs, tmp_path):
     import subprocess
     import sys
 
-    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.train.checkpoint_format import list_checkpoints
 
     run_dir = tmp_path / "run"
     shutil.copytree(dist_runs / "ddp-ep2-accum", run_dir)
@@ -306,11 +307,12 @@ def test_torchrun_cli_resumes_an_ep_checkpoint_with_fsdp(dist_runs, tmp_path):
 # ---- bad settings: one-line errors naming the field (no processes needed) -----------------------------------
 def test_bad_parallel_settings_are_one_line_errors(monkeypatch, tmp_path, capsys):
     from mhmoe.cli import main
-    from mhmoe.distributed.data_parallel import check_parallel
+    from mhmoe.config.model import ModelConfig
+    from mhmoe.config.train import TrainConfig
     from mhmoe.errors import ConfigError
-    from mhmoe.model import LM, ModelConfig
-    from mhmoe.runconfig import TrainConfig
-    from mhmoe.train import parallel_mode
+    from mhmoe.model.lm import LM
+    from mhmoe.parallel.data_parallel import check_parallel
+    from mhmoe.parallel.launch import parallel_mode
 
     with pytest.raises(ConfigError, match=r"train.parallel='tp': allowed auto \| none \| ddp \| fsdp"):
         TrainConfig(parallel="tp")
@@ -343,8 +345,8 @@ def test_bad_parallel_settings_are_one_line_errors(monkeypatch, tmp_path, capsys
 def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatch):
     """1 -> 2 ranks: the 2-rank DDP + EP resume of a single-file checkpoint continues exactly like one
     process resuming it on the union batches."""
-    from mhmoe.checkpoint import list_checkpoints
-    from mhmoe.train import train
+    from mhmoe.train.checkpoint_format import list_checkpoints
+    from mhmoe.train.loop import train
 
     got = _records(dist_runs / "single")
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
@@ -360,7 +362,7 @@ def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatc
 
 # ---- dp x ep = 2 x 2 (4 processes): expert gradients reduced over the dp group -------------------------------
 def _dp_ep_worker(rank: int, world: int, root: str) -> None:
-    from mhmoe.train import train
+    from mhmoe.train.loop import train
 
     for mode in ("ddp", "fsdp"):
         train(_case_run(Path(root), "mh-8", parallel=mode), Path(root) / f"{mode}-2x2", progress=False)
@@ -372,7 +374,7 @@ def test_dp2_x_ep2_matches_single_process(tmp_path, monkeypatch):
     over the 2 dp ranks; the loss curve equals one process on the union of the 4 ranks' batches."""
     from test_train import write_corpus
 
-    from mhmoe.train import train
+    from mhmoe.train.loop import train
 
     write_corpus(tmp_path / "corpus")
     spawn(_dp_ep_worker, str(tmp_path), world=4)

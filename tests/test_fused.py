@@ -9,11 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from mhmoe.dispatch import THIN_WIDTH, WIDE_HIDDEN, apply_capacity, choose_impl, sorted_moe
-from mhmoe.experts import GroupedExperts
-from mhmoe.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
-from mhmoe.reference import loop_moe
-from mhmoe.routers import RouterOutput
+from mhmoe.moe.capacity import apply_capacity
+from mhmoe.moe.dispatch import THIN_WIDTH, WIDE_HIDDEN, choose_impl
+from mhmoe.moe.dispatch.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
+from mhmoe.moe.dispatch.sorted import sorted_moe
+from mhmoe.moe.experts import GroupedExperts
+from mhmoe.moe.reference import loop_moe
+from mhmoe.moe.routers import RouterOutput
 
 
 def _route(S: int, E: int, K: int, gen: torch.Generator, skew: float = 0.0, capacity: int | None = None,
@@ -157,7 +159,7 @@ def test_expert_workers_rule():
 
 
 def test_worker_errors_propagate():
-    from mhmoe.fused import _run_blocks
+    from mhmoe.moe.dispatch.fused import _run_blocks
 
     def boom(e, r):
         if e == 1:

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from mhmoe.config import MoEConfig
-from mhmoe.generate import filter_logits, generate
-from mhmoe.model import LM, KVCache, ModelConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.model.generate import filter_logits, generate
+from mhmoe.model.lm import LM, KVCache
 
 V = 97
 CONFIGS = {

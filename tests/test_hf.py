@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from mhmoe.cli import main  # noqa: E402
 from mhmoe.data import ByteTokenizer, Tokenizer, get_pretrained_tokenizer, train_bpe  # noqa: E402
 from mhmoe.errors import DataError  # noqa: E402
-from mhmoe.generate import generate  # noqa: E402
-from mhmoe.hf import MHMoEConfig, MHMoEForCausalLM, MHMoESamplingFilter, to_hf_tokenizer  # noqa: E402
-from mhmoe.model import KVCache  # noqa: E402
+from mhmoe.integrations.hf import MHMoEConfig, MHMoEForCausalLM, MHMoESamplingFilter, to_hf_tokenizer  # noqa: E402
+from mhmoe.model.generate import generate  # noqa: E402
+from mhmoe.model.lm import KVCache  # noqa: E402
 
 EOS = 256
 
@@ -186,7 +186,7 @@ def test_export_hf_cli_converts_a_checkpoint(tmp_path, capsys):
         rep["files"])
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    from mhmoe.checkpoint import load_checkpoint
+    from mhmoe.train.checkpoint import load_checkpoint
 
     lm = load_checkpoint(ck).model.eval()
     x = torch.tensor([tok("In the beginning")["input_ids"]])

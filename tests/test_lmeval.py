@@ -14,11 +14,11 @@ pytest.importorskip("lm_eval")
 from ecosystem_helpers import tiny_checkpoint, trained_lm  # noqa: E402
 
 from mhmoe.cli import main  # noqa: E402
-from mhmoe.commands_ecosystem import format_downstream  # noqa: E402
+from mhmoe.cli.ecosystem import format_downstream  # noqa: E402
 from mhmoe.data import ByteTokenizer  # noqa: E402
-from mhmoe.generate import generate  # noqa: E402
-from mhmoe.lmeval import MHMoEHarnessLM  # noqa: E402
-from mhmoe.lmeval_tasks import TASKS_DIR, make_cloze, make_ppl_docs, task_dir  # noqa: E402
+from mhmoe.integrations.lmeval import MHMoEHarnessLM  # noqa: E402
+from mhmoe.integrations.lmeval_tasks import TASKS_DIR, make_cloze, make_ppl_docs, task_dir  # noqa: E402
+from mhmoe.model.generate import generate  # noqa: E402
 
 TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
 

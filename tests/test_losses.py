@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mhmoe.losses import entropy_loss, load_balancing_loss, router_z_loss
+from mhmoe.moe.losses import entropy_loss, load_balancing_loss, router_z_loss
 
 
 def test_balance_loss_is_one_when_uniform_and_e_when_collapsed():

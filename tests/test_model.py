@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mhmoe.config import MoEConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError
-from mhmoe.evaluate import evaluate, forward_flops_per_token
-from mhmoe.model import LM, LMOutput, ModelConfig
-from mhmoe.runconfig import TrainConfig
-from mhmoe.train import build_optimizer, lr_lambda
+from mhmoe.model.lm import LM, LMOutput
+from mhmoe.train.evaluate import evaluate, forward_flops_per_token
+from mhmoe.train.optim import build_optimizer, lr_lambda
 
 V = 61
 DENSE = MoEConfig(kind="dense", d_expert=64)

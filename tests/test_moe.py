@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import oracle_pair
 
-from mhmoe.config import ROUTERS, MoEConfig
-from mhmoe.dispatch import apply_capacity
-from mhmoe.experts import DenseFFN
-from mhmoe.moe import DenseLayer, MHMoELayer, MoELayer, build_ffn_layer
+from mhmoe.config.moe import ROUTERS, MoEConfig
+from mhmoe.moe.capacity import apply_capacity
+from mhmoe.moe.experts import DenseFFN
+from mhmoe.moe.layers import DenseLayer, MHMoELayer, MoELayer, build_ffn_layer
 
 
 def _run(layer, x, mask, seed=0):

@@ -7,10 +7,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.cli import main
-from mhmoe.config import MoEConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.planner import count_layer, plan
 from mhmoe.errors import ConfigError
-from mhmoe.moe import build_ffn_layer
-from mhmoe.planner import count_layer, plan
+from mhmoe.moe.layers import build_ffn_layer
 
 D = 768
 

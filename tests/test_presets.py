@@ -11,15 +11,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.cli import main
-from mhmoe.config import MoEConfig
-from mhmoe.data import DataConfig
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.planner import count_layer
+from mhmoe.config.presets import get_preset, preset_names
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError
-from mhmoe.evaluate import forward_flops_per_token
-from mhmoe.model import LM, ModelConfig
-from mhmoe.moe import build_ffn_layer
-from mhmoe.planner import count_layer
-from mhmoe.presets import get_preset, preset_names
-from mhmoe.runconfig import RunConfig, TrainConfig
+from mhmoe.model.lm import LM
+from mhmoe.moe.layers import build_ffn_layer
+from mhmoe.train.evaluate import forward_flops_per_token
 
 MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mhmoe import reproduce
 from mhmoe.cli import main
 from mhmoe.errors import ConfigError
-from mhmoe.model import LM
+from mhmoe.model.lm import LM
+from mhmoe.research import reproduce
 
 
 def _moe_layer_counts(run):
@@ -63,7 +63,7 @@ def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
             "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 10.0 + len(calls), "loss": 2.3}}}))
         (run_dir / "eval.jsonl").write_text(json.dumps({"step": 1, "kjv_ppl": 12.0}) + "\n")
 
-    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
     res = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
     assert len(calls) == 8 and len(res) == 8
     assert {c[1] for c in calls} == {1337, 1338}  # seeds offset the preset's seed
@@ -83,7 +83,7 @@ def test_reuse_refuses_a_run_with_a_different_config(tmp_path, monkeypatch):
             "preset": run.name, "step": 1, "params": 10, "fwd_flops_per_token": 5.0, "tokens_per_s": 1.0,
             "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 10.0, "loss": 2.3}}}))
 
-    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
     reproduce.run_suite("v2-table5", tmp_path, progress=False)
     reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.eval_batches=3"])  # bookkeeping
     with pytest.raises(ConfigError, match="train.lr"):
@@ -100,7 +100,7 @@ def test_report_only_trains_nothing_and_reports_finished_runs(tmp_path, monkeypa
             "preset": run.name, "step": 1, "params": 10, "fwd_flops_per_token": 5.0, "tokens_per_s": 1.0,
             "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 20.0, "loss": 3.0}}}))
 
-    monkeypatch.setattr("mhmoe.train.train", fake_train)
+    monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
     with pytest.raises(ConfigError):  # nothing finished yet
         reproduce.run_suite("v2-table5", tmp_path, progress=False, train_missing=False)
     assert main(["reproduce", "v2-table5", "--out", str(tmp_path), "--report-only", "--no-progress"]) == 2

@@ -12,13 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from mhmoe.checkpoint import list_checkpoints, load_latest
-from mhmoe.config import MoEConfig
-from mhmoe.data import BatchSampler, DataConfig
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
+from mhmoe.data import BatchSampler
 from mhmoe.errors import ConfigError
-from mhmoe.model import LM, ModelConfig
-from mhmoe.runconfig import RunConfig, TrainConfig
-from mhmoe.train import build_optimizer, train
+from mhmoe.model.lm import LM
+from mhmoe.train.checkpoint import load_latest
+from mhmoe.train.checkpoint_format import list_checkpoints
+from mhmoe.train.loop import train
+from mhmoe.train.optim import build_optimizer
 
 DENSE = MoEConfig(kind="dense", d_expert=64)
 SMOE = MoEConfig(n_experts=4, top_k=1, d_expert=64)

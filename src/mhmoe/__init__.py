@@ -1,16 +1,17 @@
 """mhmoe: Multi-Head Mixture-of-Experts layers, parity planner and language models.
 
-The layer library (config, routers, losses, dispatch, experts, MoE/MH-MoE layers, planner) imports
-only torch; the language-model stack (model, data, training) is importable from its modules.
+Layers, bottom up (each imports only the ones below it; docs/ARCHITECTURE.md):
+``config`` (dataclasses, planner, presets) -> ``quant`` -> ``moe`` (layers, routers, dispatch) ->
+``model`` / ``data`` -> ``train`` -> ``parallel`` -> ``research`` / ``integrations`` -> ``cli``.
 """
 
-from mhmoe.config import MoEConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.planner import Plan, count_layer, plan
 from mhmoe.errors import CheckpointError, ConfigError, DataError
-from mhmoe.experts import DenseFFN, GroupedExperts, SharedExperts
-from mhmoe.losses import entropy_loss, load_balancing_loss, router_z_loss
-from mhmoe.moe import DenseLayer, FFNOutput, MHMoELayer, MoELayer, RoutingStats, build_ffn_layer
-from mhmoe.planner import Plan, count_layer, plan
-from mhmoe.routers import RouterOutput, build_router
+from mhmoe.moe.experts import DenseFFN, GroupedExperts, SharedExperts
+from mhmoe.moe.layers import DenseLayer, FFNOutput, MHMoELayer, MoELayer, RoutingStats, build_ffn_layer
+from mhmoe.moe.losses import entropy_loss, load_balancing_loss, router_z_loss
+from mhmoe.moe.routers import RouterOutput, build_router
 
 __version__ = "0.1.0"
 

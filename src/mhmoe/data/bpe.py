@@ -19,13 +19,13 @@ import tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from mhmoe.config.data import MIN_BPE_VOCAB
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
+from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
 
 BPE_VERSION = 1
 BPE_FILE = "tokenizer.json"
-MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
 log = logging.getLogger(__name__)
 
 
@@ -114,7 +114,7 @@ def load_or_train_bpe(
     )
     if (directory / "tokenizer_meta.json").exists():
         try:
-            tok = Tokenizer.load(directory)
+            tok = BPETokenizer.load(directory)
             if isinstance(tok, BPETokenizer) and tok.vocab_size <= vocab_size:
                 return tok
             log.warning("cached tokenizer %s has the wrong kind/size; retraining", directory)

@@ -18,58 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from mhmoe.data.bpe import MIN_BPE_VOCAB, load_or_train_bpe
+from mhmoe.config.data import DataConfig
+from mhmoe.config.fields import is_int
+from mhmoe.data.bpe import load_or_train_bpe
 from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus
 from mhmoe.data.documents import Corpus
 from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens
 from mhmoe.data.tokenizer import Tokenizer, get_pretrained_tokenizer
 from mhmoe.errors import ConfigError, DataError
 
-TOKENIZERS: tuple[str, ...] = ("bpe", "gpt2", "cl100k_base", "byte")
-MAX_BPE_VOCAB = 1 << 20
 log = logging.getLogger(__name__)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass
-class DataConfig:
-    """What to train and validate on; validated on construction (``ConfigError``)."""
-
-    corpus: str = "kjv"  # registry name (kjv, pydocs, wordnet) or a path (file, dir, .jsonl, .parquet)
-    jsonl_field: str = "text"  # text field of .jsonl rows / .parquet column
-    tokenizer: str = "bpe"  # bpe | gpt2 | cl100k_base | byte
-    vocab_size: int = 8192  # for bpe
-    val_sets: tuple[str, ...] = ("kjv", "pydocs", "wordnet")  # extra cross-domain validation corpora
-    val_tokens: int = 65536  # cap of tokens per validation set
-    cache_dir: str = ""  # default: $MHMOE_CACHE or ~/.cache/mhmoe
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        if isinstance(self.val_sets, (list, str)):
-            self.val_sets = (self.val_sets,) if isinstance(self.val_sets, str) else tuple(self.val_sets)
-        for name in ("corpus", "jsonl_field", "tokenizer"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise ConfigError(f"data.{name}", value, "a non-empty string")
-        if self.tokenizer not in TOKENIZERS:
-            raise ConfigError("data.tokenizer", self.tokenizer, " | ".join(TOKENIZERS))
-        if not _is_int(self.vocab_size) or not MIN_BPE_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB:
-            raise ConfigError(
-                "data.vocab_size", self.vocab_size, f"integer in {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB}"
-            )
-        if not isinstance(self.val_sets, tuple) or not all(
-            isinstance(v, str) and v.strip() for v in self.val_sets
-        ):
-            raise ConfigError("data.val_sets", self.val_sets, "a tuple of corpus names or paths")
-        if not _is_int(self.val_tokens) or self.val_tokens < 1:
-            raise ConfigError("data.val_tokens", self.val_tokens, "integer >= 1")
-        if not isinstance(self.cache_dir, str):
-            raise ConfigError("data.cache_dir", self.cache_dir, "a directory path string ('' = default)")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
-            raise ConfigError("data.seed", self.seed, "integer in 0..2**63-1")
 
 
 @dataclass
@@ -116,7 +74,7 @@ def prepare_data(
     tokens or a held-out split too short for one evaluation window.  Extra ``val_sets`` entries that
     are registry corpora whose package is missing are skipped with a warning.
     """
-    if not _is_int(seq_len) or seq_len < 1:
+    if not is_int(seq_len) or seq_len < 1:
         raise ConfigError("seq_len", seq_len, "integer >= 1")
     if cfg.val_tokens < seq_len + 1:
         raise ConfigError("data.val_tokens", cfg.val_tokens, f"integer >= seq_len+1 = {seq_len + 1}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import tiktoken
 
-from mhmoe.data.tokenizer import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
+from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
 
 # sha256 values from tiktoken_ext/openai_public.py (tiktoken 0.6 .. 0.14).

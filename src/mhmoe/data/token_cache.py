@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer import Tokenizer, atomic_write_bytes
+from mhmoe.data.tokenizer_base import Tokenizer, atomic_write_bytes
 from mhmoe.errors import DataError
 
 CACHE_FORMAT_VERSION = 1

@@ -1,219 +1,32 @@
-"""The common :class:`Tokenizer` interface, the trivial :class:`ByteTokenizer`, and save/load.
+"""Tokenizers by name: the registry of tokenizer kinds (``byte``, ``bpe``, ``tiktoken``) and the
+pretrained vocabularies (``gpt2``, ``cl100k_base``, ``byte``).
 
-Every tokenizer has an end-of-text token (text form ``<|endoftext|>``, id ``eos_id``) used as the
-document separator.  ``encode`` treats a literal ``<|endoftext|>`` in the input as ordinary text;
-``decode`` renders the EOS id as ``<|endoftext|>``.  ``fingerprint`` is a sha256 hex digest of
-everything that determines the id mapping, used as a cache key and checked on :meth:`Tokenizer.load`.
-
-Saved layout (``save(dir)``): ``dir/tokenizer_meta.json`` (``kind``, ``name``, ``vocab_size``,
-``eos_id``, ``fingerprint``, ``format_version``, kind-specific fields) plus kind-specific files.
+The interface and the byte tokenizer live in :mod:`mhmoe.data.tokenizer_base`; the kinds in
+:mod:`mhmoe.data.bpe` and :mod:`mhmoe.data.tiktoken_tok`. This module imports them all (one way).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
+from mhmoe.data.bpe import BPETokenizer
+from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
+from mhmoe.data.tokenizer_base import EOS_TEXT, META_FILE, ByteTokenizer, Tokenizer, read_tokenizer_meta
 from mhmoe.errors import DataError
 
-EOS_TEXT = "<|endoftext|>"
-META_FILE = "tokenizer_meta.json"
-TOKENIZER_FORMAT_VERSION = 1
 PRETRAINED: tuple[str, ...] = ("gpt2", "cl100k_base", "byte")
-ENCODE_CHUNK_CHARS = 4096
+TOKENIZER_CLASSES: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "bpe": BPETokenizer,
+                                                 "tiktoken": TiktokenTokenizer}
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory + ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def sha256_hex(*parts: bytes | str) -> str:
-    """sha256 of the length-prefixed concatenation of ``parts``."""
-    h = hashlib.sha256()
-    for p in parts:
-        b = p.encode("utf-8") if isinstance(p, str) else p
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
-
-
-def split_for_encoding(text: str, target_chars: int = ENCODE_CHUNK_CHARS) -> list[str]:
-    """Cut ``text`` into pieces of about ``target_chars`` that tokenize exactly like the whole.
-
-    Cuts are made only just before a single ASCII space that sits between two non-whitespace
-    characters.  The GPT-2 and cl100k pre-tokenizer regexes never put such a space anywhere but at
-    the start of a pre-token, so no pre-token (and hence no BPE merge) straddles a cut.  Used to give
-    batch encoders many mid-sized pieces to parallelise over instead of a few huge documents.
-    """
-    out, start, n = [], 0, len(text)
-    while n - start > target_chars:
-        j = text.find(" ", start + target_chars)
-        while j != -1 and (j + 1 >= n or text[j - 1].isspace() or text[j + 1].isspace()):
-            j = text.find(" ", j + 1)
-        if j == -1:
-            break
-        out.append(text[start:j])
-        start = j
-    out.append(text[start:])
-    return out
-
-
-
-def encode_in_pieces(texts: Sequence[str], encode_many: Callable[[list[str]], Iterable[list[int]]]) -> list[list[int]]:
-    """Encode each text by cutting it with :func:`split_for_encoding`, encoding all pieces in one
-    batch call (``encode_many``: list of pieces -> ids per piece) and joining each text's pieces."""
-    pieces, owner = [], []
-    for i, t in enumerate(texts):
-        for p in split_for_encoding(t):
-            pieces.append(p)
-            owner.append(i)
-    out: list[list[int]] = [[] for _ in texts]
-    for i, ids in zip(owner, encode_many(pieces), strict=True):
-        out[i].extend(ids)
-    return out
-
-class Tokenizer(ABC):
-    """Common interface: ``name``, ``vocab_size``, ``eos_id``, ``encode``, ``decode``,
-    ``encode_batch``, ``fingerprint``, ``save(dir)`` and ``Tokenizer.load(dir)``."""
-
-    kind: str = ""
-    name: str
-    vocab_size: int
-    eos_id: int
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no EOS appended; literal ``<|endoftext|>`` is plain text)."""
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[encode(t) for t in texts]``; subclasses parallelise."""
-        return [self.encode(t) for t in texts]
-
-    @abstractmethod
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; the EOS id decodes to ``<|endoftext|>``; invalid UTF-8 is replaced."""
-
-    @property
-    @abstractmethod
-    def fingerprint(self) -> str:
-        """sha256 hex digest identifying this exact id mapping."""
-
-    @abstractmethod
-    def _save_files(self, directory: Path) -> dict[str, Any]:
-        """Write kind-specific files into ``directory``; return extra metadata fields."""
-
-    @classmethod
-    @abstractmethod
-    def _from_saved(cls, directory: Path, meta: dict[str, Any]) -> Tokenizer:
-        """Rebuild from the files written by :meth:`_save_files`."""
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-        )
-
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Save into ``directory`` (created) so that :meth:`Tokenizer.load` restores it exactly."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "format_version": TOKENIZER_FORMAT_VERSION,
-            "kind": self.kind,
-            "name": self.name,
-            "vocab_size": self.vocab_size,
-            "eos_id": self.eos_id,
-            "fingerprint": self.fingerprint,
-        }
-        meta.update(self._save_files(d))
-        atomic_write_bytes(d / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
-        return d
-
-    @staticmethod
-    def load(directory: str | os.PathLike[str]) -> Tokenizer:
-        """Load a tokenizer saved with :meth:`save`; DataError if missing, corrupt or altered."""
-        d = Path(directory)
-        meta_path = d / META_FILE
-        if not meta_path.is_file():
-            raise DataError(f"{meta_path}: tokenizer metadata not found")
-        try:
-            meta = json.loads(meta_path.read_text("utf-8"))
-            kind, fingerprint = meta["kind"], meta["fingerprint"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{meta_path}: corrupt tokenizer metadata ({e})") from None
-        if meta.get("format_version") != TOKENIZER_FORMAT_VERSION:
-            raise DataError(
-                f"{meta_path}: format_version {meta.get('format_version')!r} != {TOKENIZER_FORMAT_VERSION}"
-            )
-        classes = _tokenizer_classes()
-        if kind not in classes:
-            raise DataError(f"{meta_path}: unknown tokenizer kind {kind!r} (known: {', '.join(classes)})")
-        tok = classes[kind]._from_saved(d, meta)
-        if tok.fingerprint != fingerprint:
-            raise DataError(
-                f"{d}: tokenizer files do not match the fingerprint in {META_FILE} (altered or corrupt)"
-            )
-        return tok
-
-
-class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as ids 0..255 plus EOS = 256 (vocab 257).  Lossless; handy for tests."""
-
-    kind = "byte"
-
-    def __init__(self) -> None:
-        self.name = "byte"
-        self.vocab_size = 257
-        self.eos_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        parts, buf = [], bytearray()
-        for i in ids:
-            i = int(i)
-            if i == self.eos_id:
-                parts.append(buf.decode("utf-8", errors="replace") + EOS_TEXT)
-                buf = bytearray()
-            elif 0 <= i < 256:
-                buf.append(i)
-            else:
-                raise DataError(f"byte tokenizer: token id {i} out of range 0..256")
-        parts.append(buf.decode("utf-8", errors="replace"))
-        return "".join(parts)
-
-    @property
-    def fingerprint(self) -> str:
-        return sha256_hex("byte", "utf-8 bytes 0..255 + eos 256")
-
-    def _save_files(self, directory: Path) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def _from_saved(cls, directory: Path, meta: dict[str, Any]) -> Tokenizer:
-        return cls()
-
-
-def _tokenizer_classes() -> dict[str, type[Tokenizer]]:
-    from mhmoe.data.bpe import BPETokenizer
-    from mhmoe.data.tiktoken_tok import TiktokenTokenizer
-
-    return {"byte": ByteTokenizer, "bpe": BPETokenizer, "tiktoken": TiktokenTokenizer}
+def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
+    """Load any tokenizer saved with :meth:`Tokenizer.save`; DataError if missing, corrupt or altered."""
+    d = Path(directory)
+    kind = read_tokenizer_meta(d)["kind"]
+    if kind not in TOKENIZER_CLASSES:
+        raise DataError(f"{d / META_FILE}: unknown tokenizer kind {kind!r} (known: {', '.join(TOKENIZER_CLASSES)})")
+    return TOKENIZER_CLASSES[kind].load(d)
 
 
 def get_pretrained_tokenizer(name: str) -> Tokenizer:
@@ -221,7 +34,9 @@ def get_pretrained_tokenizer(name: str) -> Tokenizer:
     if name == "byte":
         return ByteTokenizer()
     if name in ("gpt2", "cl100k_base"):
-        from mhmoe.data.tiktoken_tok import load_cl100k_base, load_gpt2
-
         return load_gpt2() if name == "gpt2" else load_cl100k_base()
     raise DataError(f"tokenizer {name!r}: not a pretrained tokenizer (choose from {', '.join(PRETRAINED)})")
+
+
+__all__ = ["EOS_TEXT", "PRETRAINED", "TOKENIZER_CLASSES", "ByteTokenizer", "Tokenizer", "get_pretrained_tokenizer",
+           "load_tokenizer"]

@@ -1,0 +1,59 @@
+"""``mhmoe bench``: benchmarks (``moe``: the MoE layer's execution paths, docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mhmoe.errors import ConfigError
+
+
+# ---- bench -----------------------------------------------------------------------------------------
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (moe: MoE layer paths vs masked loop vs same-FLOPs dense FFN)")
+    p.add_argument("what", choices=["moe"], help="which benchmark")
+    p.add_argument("--configs", nargs="+", default=["smoe", "fgmoe", "mh2", "mh3"],
+                   help="smoe fgmoe mh2 mh3 (the v2 paper's parity models at d=768)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
+    p.add_argument("--no-input-grad", action="store_true",
+                   help="fwd_bwd without the layer input's gradient (default: with it, as inside a network)")
+    p.add_argument("--peers", nargs="*", default=None, metavar="PEER",
+                   help="peer MoE libraries to time (st_moe, moe; default: those installed -- the `bench` extra); "
+                   "--peers with no name skips them")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from mhmoe.research.bench import CONFIGS, DTYPES, format_rows, run_benchmark
+    from mhmoe.runtime.device import resolve_device
+
+    bad = [c for c in args.configs if c not in CONFIGS] + [d for d in args.dtypes if d not in DTYPES]
+    if bad or args.tokens < 1 or args.repeats < 1:
+        raise ConfigError("bench", bad or (args.tokens, args.repeats),
+                          f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
+    from mhmoe.research.bench_peers import installed_peers
+
+    peers = installed_peers() if args.peers is None else args.peers
+    missing = [p for p in peers if p not in installed_peers()]
+    if missing:
+        raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench]')")
+    device = resolve_device(args.device)
+    result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
+                           with_loop=not args.no_loop, peers=tuple(peers), input_grad=not args.no_input_grad,
+                           progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(format_rows(result))
+    return 0
+
+
+PARSER_BUILDERS = [_add_bench]

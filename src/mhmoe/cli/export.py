@@ -1,0 +1,86 @@
+"""``mhmoe export`` (BitNet packed weights, transformers directories) and ``mhmoe convert-checkpoint``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mhmoe.errors import ConfigError
+
+
+# ---- export ----------------------------------------------------------------------------------------
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a checkpoint (--bitnet: packed 2-bit ternary weights, docs/BITNET.md; "
+                       "--hf: a transformers model directory)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--bitnet", action="store_true",
+                     help="pack the ternary weights of a model.quant=bitnet158 checkpoint 4 per byte")
+    fmt.add_argument("--hf", action="store_true", help="transformers from_pretrained directory (safetensors, "
+                     "config.json, tokenizer.json); OUT must not exist or be empty")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/)")
+    p.add_argument("--float-dtype", default="float32", help="float32 | bfloat16: dtype of the unquantized tensors")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    from mhmoe.integrations.bitnet_packed import export_bitnet, load_packed
+    from mhmoe.train.checkpoint import load_latest
+
+    if args.hf:
+        from mhmoe.cli.ecosystem import run_export_hf
+
+        return run_export_hf(args)
+    if not args.bitnet:
+        raise ConfigError("export", "(no format)", "--bitnet | --hf")
+    ck = load_latest(args.checkpoint, "cpu")
+    out = Path(args.out)
+    report = export_bitnet(ck.model, out, args.float_dtype)
+    (out / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")
+    ck.tokenizer.save(out / "tokenizer")
+    # check: the packed model computes the fake-quantized model's logits
+    packed = load_packed(report.path)
+    model = ck.model.eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.cfg.vocab_size, (1, min(32, model.cfg.max_seq_len)), generator=g)
+    with torch.no_grad():
+        diff = float((packed(idx).logits - model(idx).logits).abs().max())
+    res = {**report.to_dict(), "checkpoint": str(ck.path), "step": ck.step, "max_abs_logit_diff": diff}
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"{report.path}: {report.packed_bytes:,} bytes ({report.packed_tensors} ternary tensors, "
+              f"{report.packed_params:,} weights at 2 bits; {report.float_params:,} in {report.float_dtype})")
+        print(f"fp32 safetensors: {report.fp32_bytes:,} bytes -> {report.ratio:.2f}x smaller "
+              f"({100 * (1 - 1 / report.ratio):.1f}% less)")
+        print(f"packed vs fake-quantized logits: max |diff| = {diff:.3g}")
+    return 0
+
+
+# ---- convert-checkpoint ----------------------------------------------------------------------------
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert-checkpoint", help="convert a checkpoint between single-file safetensors and "
+                       "sharded torch.distributed.checkpoint (DCP)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="run directory to write OUT/checkpoints/step_N into")
+    p.add_argument("--to", required=True, help="safetensors | dcp")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from mhmoe.train.checkpoint import load_latest
+
+    if args.to not in ("safetensors", "dcp"):
+        raise ConfigError("--to", args.to, "safetensors | dcp")
+    from mhmoe.parallel.checkpoint import dcp_to_safetensors, safetensors_to_dcp
+
+    src = load_latest(args.checkpoint).path
+    out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, args.out)
+    print(f"{src} -> {out}")
+    return 0
+
+
+PARSER_BUILDERS = [_add_export, _add_convert]

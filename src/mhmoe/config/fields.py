@@ -1,0 +1,44 @@
+"""Validation helpers shared by the config dataclasses: one-line :class:`~mhmoe.errors.ConfigError`
+naming the field, and YAML scalar coercion to the declared field types."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from mhmoe.errors import ConfigError
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (YAML ``true`` is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check(cond: bool, field: str, value: object, allowed: str) -> None:
+    """Raise ``ConfigError(field, value, allowed)`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(field, value, allowed)
+
+
+def coerce_fields(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Check the keys of ``d`` against dataclass ``cls`` and coerce YAML scalars to the field types
+    (YAML reads ``1e-3`` as a string and ``2`` as an int where a float is expected)."""
+    if not isinstance(d, dict):
+        raise ConfigError(prefix, d, "a mapping")
+    by_name = {f.name: f for f in fields(cls)}
+    out = dict(d)
+    for key, value in d.items():
+        if key not in by_name:
+            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(by_name)))
+        f = by_name[key]
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if kind.startswith("float") and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"{prefix}.{key}", value, "a number") from None
+        elif kind == "int" and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)
+        elif kind == "int" and isinstance(value, str):
+            raise ConfigError(f"{prefix}.{key}", value, "an integer")
+    return out

@@ -1,0 +1,74 @@
+"""Transformer configuration: :class:`ModelConfig` (the FFN of every ``moe_every``-th block is the layer
+``ModelConfig.moe`` describes)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from mhmoe.config.fields import check, coerce_fields
+from mhmoe.config.moe import QUANTS, MoEConfig
+from mhmoe.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Transformer hyper-parameters; ``moe`` describes the FFN of every ``moe_every``-th block."""
+
+    vocab_size: int = 8192  # overwritten from the tokenizer at training time when 0
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 2048  # dense SwiGLU width of the non-MoE blocks
+    moe_every: int = 2  # block i has the MoE FFN when (i + 1) % moe_every == 0 (v2 paper: 2)
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    # none | bitnet158 (BitNet b1.58 quantization-aware training, docs/BITNET.md): attention
+    # projections, every FFN/expert matrix and the MH-MoE head/merge projections are ternary with
+    # 8-bit activations; embeddings, LM head, norms and routers stay full precision. Applies to the
+    # whole model: moe.quant and the dense FFNs are set from it.
+    quant: str = "none"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig.from_dict(self.moe)
+        check(isinstance(self.moe, MoEConfig), "model.moe", type(self.moe).__name__, "a MoEConfig")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_every", "max_seq_len"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ConfigError("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} giving an even head dim")
+        check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
+        check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
+        if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
+            self.moe = replace(self.moe, quant=self.quant)
+        self.moe.check_d_model(self.d_model, "d_model")
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe.kind != "dense" and (i + 1) % self.moe_every == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a dict (YAML / ``--set``); errors name the dotted field (``model.moe.top_k``)."""
+        d = coerce_fields(cls, d, "model")
+        if isinstance(d.get("moe"), dict):
+            try:
+                d["moe"] = MoEConfig.from_dict(d["moe"])
+            except ConfigError as e:
+                raise _dotted(e, "model.moe") from None
+        try:
+            return cls(**d)
+        except ConfigError as e:  # check_d_model reports the MoE field "heads"
+            raise _dotted(e, "model.moe" if e.field == "heads" else "model") from None
+
+
+def _dotted(e: ConfigError, prefix: str) -> ConfigError:
+    return e if "." in e.field else ConfigError(f"{prefix}.{e.field}", e.value, e.allowed)

@@ -1,0 +1,142 @@
+"""Configuration of the MoE / MH-MoE feed-forward layer.
+
+One dataclass, :class:`MoEConfig`, describes every FFN variant in the library: the dense baseline
+(``kind="dense"``), sparse MoE (``heads=1``, head/merge layers off), fine-grained MoE (more, smaller
+experts, larger ``top_k``) and MH-MoE (``heads=h`` with head/merge projections). It is validated on
+construction: a bad value raises :class:`mhmoe.errors.ConfigError` naming the field and what is
+allowed. YAML/dict round-trips go through :func:`dataclasses.asdict` and ``MoEConfig(**d)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from mhmoe.config.fields import check, coerce_fields
+from mhmoe.errors import ConfigError
+
+FFN_TYPES = ("swiglu", "relu")
+ROUTERS = ("softmax", "xmoe", "noisy", "sigmoid", "expert_choice")
+XMOE_GATES = ("softmax", "sigmoid")
+RESIDUALS = ("block", "subtoken")
+KINDS = ("dense", "moe")
+IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "loop")
+ENTROPY_MODES = ("token", "batch")
+QUANTS = ("none", "bitnet158")
+
+
+@dataclass
+class MoEConfig:
+    """Hyper-parameters of one FFN layer (dense, SMoE, fine-grained SMoE or MH-MoE).
+
+    Sizes: ``d_expert`` is the hidden width F of each routed expert; experts read and write vectors
+    of width ``d_model / heads`` when ``token_split`` is on (else ``d_model``).
+    """
+
+    kind: str = "moe"  # "dense": one SwiGLU/ReLU FFN of width d_expert; "moe": routed experts
+    n_experts: int = 8  # E
+    top_k: int = 1  # K (expert-choice: average experts per token, sets the per-expert capacity)
+    d_expert: int = 2048  # F, hidden width of every routed expert (and of the dense FFN)
+    ffn: str = "swiglu"  # swiglu (3 matrices) | relu (2 matrices, Huang et al. Eq.5)
+    expert_bias: bool = False
+    n_shared: int = 0  # always-on shared experts (DeepSeekMoE), each of width d_shared
+    d_shared: int = 0  # 0 -> d_expert
+    # ---- router -------------------------------------------------------------------------------
+    router: str = "softmax"  # softmax | xmoe | noisy | sigmoid | expert_choice
+    renormalize: bool = False  # renormalise the top-k weights to sum to one
+    router_dim: int = 16  # X-MoE low-dimensional routing space
+    xmoe_gate: str = "softmax"  # X-MoE gate: softmax (tau0=0.3) | sigmoid (tau0=0.07)
+    router_temperature: float = 0.0  # 0 -> 0.3 for softmax gating, 0.07 for sigmoid gating
+    noise_std: float = 1.0  # noisy top-k: scale of the learned softplus noise
+    aux_free_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing bias (choice only)
+    bias_update_rate: float = 1e-3
+    # ---- capacity (None = dropless) -------------------------------------------------------------
+    capacity_factor: float | None = None  # training
+    eval_capacity_factor: float | None = None  # evaluation (model.eval())
+    # ---- auxiliary losses ----------------------------------------------------------------------
+    balance_loss_weight: float = 1e-2  # Switch / ICML Eq.10 (alpha)
+    z_loss_weight: float = 0.0  # ST-MoE router z-loss
+    entropy_loss_weight: float = 0.0  # survey Eq.3
+    entropy_mode: str = "token"  # token: mean per-token gate entropy | batch: log E - H(mean gate)
+    # ---- multi-head (MH-MoE) ---------------------------------------------------------------------
+    heads: int = 1  # h; sub-tokens of width d_model / h
+    head_layer: bool = False  # W_head (d x d) before the split
+    merge_layer: bool = False  # W_merge (d x d) after the merge
+    mlp_layers: int = 1  # depth n of the head and merge MLPs (ICML Table 7), ReLU between layers
+    token_split: bool = True  # token splitting-merging (ICML Table 6); off -> route whole tokens
+    residual: str = "block"  # block (official code) | subtoken (ICML Eq.6)
+    proj_bias: bool = True  # biases of the head/merge projections (official code: nn.Linear)
+    # ---- execution -------------------------------------------------------------------------------
+    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | loop (loop = the oracle)
+    init_std: float = 0.02
+    # ---- quantization (docs/BITNET.md) ---------------------------------------------------------------
+    # none | bitnet158: ternary experts (gamma per expert), 8-bit activations, per-expert sub-norms,
+    # BitLinear head/merge projections; the router stays fp32. Inside a model it is set from model.quant.
+    quant: str = "none"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type == "bool":
+                v = getattr(self, f.name)
+                check(isinstance(v, bool), f.name, v, "true | false")
+        check(self.kind in KINDS, "kind", self.kind, " | ".join(KINDS))
+        check(self.ffn in FFN_TYPES, "ffn", self.ffn, " | ".join(FFN_TYPES))
+        check(self.d_expert >= 1, "d_expert", self.d_expert, "an integer >= 1")
+        check(self.n_shared >= 0, "n_shared", self.n_shared, "an integer >= 0")
+        check(self.d_shared >= 0, "d_shared", self.d_shared, "an integer >= 0 (0 = d_expert)")
+        check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
+        check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
+        if self.kind == "dense":
+            return
+        check(self.n_experts >= 1, "n_experts", self.n_experts, "an integer >= 1")
+        check(
+            1 <= self.top_k <= self.n_experts, "top_k", self.top_k, f"1..{self.n_experts} (<= n_experts)"
+        )
+        check(self.router in ROUTERS, "router", self.router, " | ".join(ROUTERS))
+        check(self.xmoe_gate in XMOE_GATES, "xmoe_gate", self.xmoe_gate, " | ".join(XMOE_GATES))
+        check(self.router_dim >= 1, "router_dim", self.router_dim, "an integer >= 1")
+        check(self.router_temperature >= 0, "router_temperature", self.router_temperature, ">= 0")
+        check(self.noise_std >= 0, "noise_std", self.noise_std, ">= 0")
+        check(self.bias_update_rate >= 0, "bias_update_rate", self.bias_update_rate, ">= 0")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            cf = getattr(self, name)
+            check(cf is None or cf > 0, name, cf, "None (dropless) or a float > 0")
+        for name in ("balance_loss_weight", "z_loss_weight", "entropy_loss_weight"):
+            check(getattr(self, name) >= 0, name, getattr(self, name), "a float >= 0")
+        check(self.entropy_mode in ENTROPY_MODES, "entropy_mode", self.entropy_mode, " | ".join(ENTROPY_MODES))
+        check(self.heads >= 1, "heads", self.heads, "an integer >= 1")
+        check(0 <= self.mlp_layers <= 3, "mlp_layers", self.mlp_layers, "0..3")
+        check(self.residual in RESIDUALS, "residual", self.residual, " | ".join(RESIDUALS))
+        check(self.impl in IMPLS, "impl", self.impl, " | ".join(IMPLS))
+        if self.router == "expert_choice":
+            check(not self.aux_free_bias, "aux_free_bias", True, "False with router=expert_choice")
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def shared_width(self) -> int:
+        return self.d_shared or self.d_expert
+
+    @property
+    def temperature_init(self) -> float:
+        if self.router_temperature > 0:
+            return self.router_temperature
+        return 0.3 if self.xmoe_gate == "softmax" else 0.07
+
+    @property
+    def is_multihead(self) -> bool:
+        """True when the layer needs the MH-MoE wrapper (heads, head/merge projections)."""
+        return self.heads > 1 or self.head_layer or self.merge_layer or self.residual == "subtoken"
+
+    def check_d_model(self, d_model: int, field: str = "d_model") -> None:
+        """Validate against the model width (``heads`` must divide ``d_model`` when splitting)."""
+        check(d_model >= 1, field, d_model, "an integer >= 1")
+        if self.token_split and d_model % self.heads != 0:
+            divisors = [h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]
+            raise ConfigError("heads", self.heads, f"a divisor of d_model={d_model}: {divisors}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], prefix: str = "model.moe") -> MoEConfig:
+        return cls(**coerce_fields(cls, d, prefix))

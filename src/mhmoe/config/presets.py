@@ -1,0 +1,132 @@
+"""Named run presets. Every MoE preset is sized by the parity planner (:mod:`mhmoe.planner`), so
+its FLOPs and parameters match the SMoE baseline of its family within 1%.
+
+Families (``paper-*`` = the v2 paper's 12-layer d=768 architecture; ``tiny-*`` = the same family
+scaled down for a 2-core CPU, d=192, 4 layers):
+
+- ``dense``: SwiGLU FFN of width d_ff everywhere.
+- ``smoe``: 8 experts of width d_ff, top-1, in every 2nd block.
+- ``fgmoe``: fine-grained SMoE, 16 experts of width d_ff/2, top-2.
+- ``mh2`` / ``mh3``: MH-MoE h=2 (top-2) / h=3 (top-3), width and count from the planner.
+- ``*-shared``: the MoE models plus one shared expert of width d_ff.
+- ``icml-xmoe-E`` / ``icml-mh4-E`` (E = 8, 32): the ICML paper's setting -- X-MoE router, ReLU
+  experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d).
+- ``*-bitnet`` (dense, smoe, fgmoe, mh2, mh3): the same models trained with BitNet b1.58
+  quantization (``model.quant=bitnet158``, v2 paper Table 3) and the BitNet schedule defaults:
+  peak lr 2x the full-precision one, lr halved at the halfway point (``lr_stage2_ratio=0.5``),
+  weight decay 0.1 -> 0 at the halfway point, no head/merge biases (see docs/BITNET.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from mhmoe.config.data import DataConfig
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.config.planner import Plan, plan
+from mhmoe.config.run import RunConfig
+from mhmoe.config.train import TrainConfig
+from mhmoe.errors import ConfigError
+
+SCALES = {
+    # d_model, n_layers, n_heads, d_ff (= 8/3 d, the v2 paper's 2048/768)
+    "paper": dict(d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=1024),
+    "tiny": dict(d_model=192, n_layers=4, n_heads=6, d_ff=512, max_seq_len=512),
+}
+TRAIN = {
+    # v2 paper: 0.5M tokens per step, 100k steps; ICML Table 10: lr 5e-4, 10k warm-up, linear decay
+    "paper": TrainConfig(max_steps=100_000, batch_size=16, seq_len=1024, grad_accum=32, lr=5e-4,
+                         warmup_steps=10_000, dtype="bfloat16", eval_every=5000, ckpt_every=5000, eval_batches=50),
+    # 2-core CPU: fp32 (bf16 autocast is slower for the many small expert GEMMs of MH-MoE on CPU),
+    # 200 steps x 4096 tokens ~ one epoch of the KJV training split
+    "tiny": TrainConfig(max_steps=200, batch_size=16, seq_len=256, grad_accum=1, lr=2e-3, warmup_steps=20,
+                        min_lr_ratio=0.1, dtype="float32", log_every=10, eval_every=0, ckpt_every=100,
+                        eval_batches=16),
+}
+VARIANTS = ("dense", "smoe", "fgmoe", "mh2", "mh3")
+# BitNet b1.58 schedule defaults (docs/BITNET.md): the b1.58 paper and its training notes use a
+# higher peak lr than full precision, a two-stage lr (drop at the halfway point) and weight decay
+# 0.1 -> 0 at the halfway point. Peak lr: 2x the scale's full-precision lr; the drop: x0.5.
+BITNET_LR_FACTOR = 2.0
+BITNET_TRAIN = dict(lr_stage2_ratio=0.5, weight_decay=0.1, wd_stage2=0.0)
+
+
+def variant_plan(d: int, d_ff: int, variant: str) -> Plan | None:
+    """The planner call that sizes ``variant`` against the 8-expert top-1 SwiGLU SMoE baseline."""
+    if variant in ("dense", "smoe"):
+        return None
+    if variant == "fgmoe":
+        return plan(d, d_ff, 8, 1, "swiglu", heads=1, head_layer=False, merge_layer=False, mh_top_k=2)
+    heads = {"mh2": 2, "mh3": 3}[variant]
+    return plan(d, d_ff, 8, 1, "swiglu", heads=heads)
+
+
+def moe_config(scale: str, variant: str, shared: bool = False) -> MoEConfig:
+    d, d_ff = SCALES[scale]["d_model"], SCALES[scale]["d_ff"]
+    extra = dict(n_shared=1, d_shared=d_ff) if shared else {}
+    if variant == "dense":
+        return MoEConfig(kind="dense", d_expert=d_ff)
+    if variant == "smoe":
+        return MoEConfig(n_experts=8, top_k=1, d_expert=d_ff, **extra)
+    p = variant_plan(d, d_ff, variant)
+    assert p is not None
+    heads = p.mhmoe.heads
+    return MoEConfig(n_experts=int(p.mhmoe.experts), top_k=p.mhmoe.top_k, d_expert=int(p.mhmoe.d_ff), heads=heads,
+                     head_layer=heads > 1, merge_layer=heads > 1, **extra)
+
+
+def icml_moe_config(scale: str, heads: int, experts: int) -> MoEConfig:
+    d = SCALES[scale]["d_model"]
+    common = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts)
+    if heads == 1:
+        return MoEConfig(d_expert=4 * d, **common)
+    p = plan(d, 4 * d, experts, 2, "relu", heads=heads, parity="params")
+    return MoEConfig(d_expert=int(p.mhmoe.d_ff), heads=heads, head_layer=True, merge_layer=True, **common)
+
+
+def _run(name: str, scale: str, moe: MoEConfig) -> RunConfig:
+    return RunConfig(name=name, model=ModelConfig(vocab_size=8192, moe=moe, **SCALES[scale]),
+                     train=TrainConfig(**TRAIN[scale].__dict__), data=DataConfig())
+
+
+def bitnet_run(run: RunConfig, name: str | None = None) -> RunConfig:
+    """``run`` quantized with BitNet b1.58 and the BitNet schedule defaults (see BITNET_TRAIN)."""
+    moe = replace(run.model.moe, proj_bias=False, quant="bitnet158")  # the recipe: no biases
+    model = replace(run.model, moe=moe, quant="bitnet158")
+    train = replace(run.train, lr=run.train.lr * BITNET_LR_FACTOR, **BITNET_TRAIN)
+    return RunConfig(name=name or f"{run.name}-bitnet", model=model, train=train, data=run.data)
+
+
+def _registry() -> dict[str, Callable[[], RunConfig]]:
+    reg: dict[str, Callable[[], RunConfig]] = {}
+    for scale in SCALES:
+        for v in VARIANTS:
+            reg[f"{scale}-{v}"] = lambda s=scale, v=v: _run(f"{s}-{v}", s, moe_config(s, v))
+            if v != "dense":
+                reg[f"{scale}-{v}-shared"] = lambda s=scale, v=v: _run(f"{s}-{v}-shared", s, moe_config(s, v, True))
+        for v in VARIANTS:
+            reg[f"{scale}-{v}-bitnet"] = lambda s=scale, v=v: bitnet_run(_run(f"{s}-{v}", s, moe_config(s, v)))
+        for e in (8, 32):
+            reg[f"{scale}-icml-xmoe-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-xmoe-{e}", s, icml_moe_config(s, 1, e))
+            reg[f"{scale}-icml-mh4-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-mh4-{e}", s, icml_moe_config(s, 4, e))
+    # the issue's short names for the paper scale
+    for e in (8, 32):
+        reg[f"icml-xmoe-{e}"] = reg[f"paper-icml-xmoe-{e}"]
+        reg[f"icml-mh4-{e}"] = reg[f"paper-icml-mh4-{e}"]
+    return reg
+
+
+PRESETS = _registry()
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> RunConfig:
+    """The run configuration of preset ``name``; unknown names raise ConfigError listing them."""
+    if name not in PRESETS:
+        raise ConfigError("preset", name, ", ".join(PRESETS))
+    return PRESETS[name]()

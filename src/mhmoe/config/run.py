@@ -1,0 +1,100 @@
+"""A training run's full configuration: model + optimisation + data, with YAML in/out and
+``--set key=value`` overrides (dotted paths, values parsed as YAML scalars).
+
+Every section is a dataclass validated on construction; an unknown or invalid key raises
+:class:`~mhmoe.errors.ConfigError` naming the dotted field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mhmoe.config.data import DataConfig
+from mhmoe.config.fields import check, coerce_fields
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.train import TrainConfig
+from mhmoe.errors import ConfigError
+
+
+def _section(cls: type, d: Any, name: str) -> Any:
+    if isinstance(d, cls):
+        return d
+    if cls is ModelConfig:
+        return ModelConfig.from_dict(d)
+    d = coerce_fields(cls, d, name)
+    if cls is DataConfig and isinstance(d.get("val_sets"), list):
+        d["val_sets"] = tuple(d["val_sets"])
+    return cls(**d)
+
+
+@dataclass
+class RunConfig:
+    """model + train + data; ``name`` is the preset it came from (informational)."""
+
+    name: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        self.model = _section(ModelConfig, self.model, "model")
+        self.train = _section(TrainConfig, self.train, "train")
+        self.data = _section(DataConfig, self.data, "data")
+        check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", self.train.seq_len,
+               f"<= model.max_seq_len={self.model.max_seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["data"]["val_sets"] = list(d["data"]["val_sets"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        if not isinstance(d, dict):
+            raise ConfigError("config", type(d).__name__, "a mapping with model/train/data sections")
+        extra = set(d) - {"name", "model", "train", "data"}
+        if extra:
+            raise ConfigError(sorted(extra)[0], d[sorted(extra)[0]], "one of name, model, train, data")
+        return cls(name=d.get("name", "custom"), model=d.get("model", {}), train=d.get("train", {}),
+                   data=d.get("data", {}))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RunConfig:
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", type(exc).__name__, "valid YAML (" + " ".join(str(exc).split()) + ")") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        return cls.from_yaml(Path(path).read_text(encoding="utf-8"))
+
+    def with_overrides(self, assignments: list[str]) -> RunConfig:
+        """Apply ``section.key=value`` strings (e.g. ``train.lr=1e-3``, ``model.moe.top_k=2``)."""
+        d = copy.deepcopy(self.to_dict())
+        for item in assignments:
+            if "=" not in item:
+                raise ConfigError("--set", item, "key=value with a dotted key, e.g. train.lr=1e-3")
+            key, raw = item.split("=", 1)
+            parts = key.strip().split(".")
+            node = d
+            for p in parts[:-1]:
+                if not isinstance(node.get(p), dict):
+                    raise ConfigError(key, raw, "a dotted path into model/train/data (see `mhmoe presets --show`)")
+                node = node[p]
+            if parts[-1] not in node:
+                raise ConfigError(key, raw, "one of " + ", ".join(sorted(node)))
+            try:
+                node[parts[-1]] = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(key, raw, "a YAML scalar, e.g. 1e-3, 4, true, cosine") from None
+        return RunConfig.from_dict(d)

@@ -1,0 +1,79 @@
+"""Optimisation and bookkeeping configuration: :class:`TrainConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhmoe.config.fields import check
+
+SCHEDULES = ("linear", "cosine", "constant")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("auto", "none", "ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. Defaults follow the ICML paper's Table 10 where sensible:
+    AdamW betas (0.9, 0.98), eps 1e-6, weight decay 0.01, warm-up then linear decay."""
+
+    max_steps: int = 1000
+    batch_size: int = 16  # sequences per micro-batch
+    seq_len: int = 256
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: str = "linear"  # linear | cosine | constant (after warm-up)
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    # two-stage schedule (BitNet b1.58 training notes): from step max_steps // 2 on, the lr is
+    # multiplied by lr_stage2_ratio and the weight decay of the matrices becomes wd_stage2 (None = keep)
+    lr_stage2_ratio: float = 1.0
+    wd_stage2: float | None = None
+    grad_clip: float = 1.0  # 0 = off
+    dtype: str = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
+    compile: bool = False  # torch.compile the model
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch.set_num_threads on CPU (0 = torch default)
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    eval_batches: int = 16
+    ckpt_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    max_nan_skips: int = 5  # consecutive non-finite losses before the run stops
+    # scale-out (docs/DISTRIBUTED.md), launch properties taken from the command even on --resume:
+    # parallel: auto (ddp under torchrun with WORLD_SIZE > 1, else none) | none | ddp | fsdp (FSDP2);
+    # ep: expert-parallel group size (divides the world size and model.moe.n_experts; needs ddp)
+    parallel: str = "auto"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches", "keep_last"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, f"train.{name}", v, "an integer >= 1")
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "threads", "max_nan_skips"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 0, f"train.{name}", v, "an integer >= 0")
+        check(isinstance(self.compile, bool), "train.compile", self.compile, "true | false")
+        check(self.parallel in PARALLEL, "train.parallel", self.parallel, " | ".join(PARALLEL))
+        check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
+               "an integer >= 1 (1 = no expert parallelism)")
+        check(self.lr > 0, "train.lr", self.lr, "a float > 0")
+        check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
+        check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))
+        check(self.dtype in DTYPES, "train.dtype", self.dtype, " | ".join(DTYPES))
+        check(self.device in DEVICES, "train.device", self.device, " | ".join(DEVICES))
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", (self.beta1, self.beta2), "[0, 1)")
+        check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")
+        check(self.wd_stage2 is None or self.wd_stage2 >= 0, "train.wd_stage2", self.wd_stage2,
+               "null (keep weight_decay) or a float >= 0")
+        check(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train.eps/weight_decay/grad_clip",
+               (self.eps, self.weight_decay, self.grad_clip), "eps > 0, weight_decay >= 0, grad_clip >= 0")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum

@@ -1,0 +1,225 @@
+"""Decoder-only MH-MoE language model, readable top to bottom.
+
+Shape legend: B batch, T time, D model dim (d_model), NH attention heads, HD = D / NH head dim,
+V vocabulary. The FFN of every ``moe_every``-th block is the layer ``ModelConfig.moe`` describes
+(dense, SMoE or MH-MoE, see :mod:`mhmoe.moe`); the others are dense SwiGLU FFNs of width ``d_ff``.
+
+    x = embed(idx)                                   [B, T, D]
+    for block: x = x + attn(rmsnorm(x))              causal SDPA with RoPE
+               x = x + ffn(rmsnorm(x))               dense SwiGLU or (MH-)MoE
+    logits = lm_head(rmsnorm(x))                     [B, T, V]
+
+The forward returns a :class:`LMOutput` with logits, the LM loss, the total auxiliary router loss
+and per-MoE-layer :class:`~mhmoe.moe.RoutingStats`. Model code is single-device; parallelism is
+applied from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.errors import ConfigError
+from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
+from mhmoe.quant.bitnet import BitLinear, SubNorm
+
+
+@dataclass
+class LMOutput:
+    """logits [B, T, V]; loss = LM cross-entropy (None without targets); aux_loss = summed weighted
+    router losses of all MoE layers (0-dim fp32); routing = one RoutingStats per MoE layer."""
+
+    logits: Tensor
+    loss: Tensor | None
+    aux_loss: Tensor
+    routing: list[RoutingStats] = field(default_factory=list)
+    layer_outputs: list[FFNOutput] | None = None  # full routing decisions when return_routing=True
+
+    @property
+    def total_loss(self) -> Tensor:
+        assert self.loss is not None, "no targets were given"
+        return self.loss + self.aux_loss
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [seq_len, head_dim/2] (fp32)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, NH, T, HD]; cos/sin [T, HD/2]. Rotates pairs (first half, second half)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+class KVCache:
+    """Per-layer key/value cache for incremental decoding: k, v [B, NH, T_cached, HD]."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        return self.layer_length(0)
+
+    def layer_length(self, layer: int) -> int:
+        """Cached positions of ``layer`` (layers fill one after another within a forward)."""
+        k = self.k[layer]
+        return 0 if k is None else k.shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], 2)
+            v = torch.cat([self.v[layer], v], 2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        quantized = cfg.quant != "none"
+        linear = BitLinear if quantized else nn.Linear
+        self.qkv = linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = linear(cfg.d_model, cfg.d_model, bias=False)
+        # bitnet158: sub-norm before the output projection (the released BitNet models' scheme); the
+        # qkv input is already normalised by the block's pre-norm
+        self.sub_norm = SubNorm(cfg.d_model, cfg.norm_eps) if quantized else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int,
+                key_mask: Tensor | None = None) -> Tensor:
+        """x [B, T, D]; key_mask [B, T_past + T] bool (False = padding key, never attended to)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.layer_length(layer)
+            k, v = cache.update(layer, k, v)
+        if key_mask is not None or (past and T > 1):  # padding, or chunked prefill after a prefix
+            S = k.shape[2]
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            if key_mask is not None:  # every query keeps its own key, so padded rows stay finite
+                diag = torch.zeros(T, S, dtype=torch.bool, device=x.device)
+                diag[:, S - T:] = torch.eye(T, dtype=torch.bool, device=x.device)
+                mask = (mask & key_mask[:, None, None, :].bool()) | diag
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_moe = cfg.is_moe_block(index)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std,
+                                                        quant=cfg.quant)
+        self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None,
+                layer: int, key_mask: Tensor | None = None) -> tuple[Tensor, FFNOutput]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, key_mask)
+        f = self.ffn(self.ffn_norm(x), mask)
+        return x + f.out, f
+
+
+class LM(nn.Module):
+    """The language model. forward(idx [B, T], targets [B, T] | None, mask [B, T] | None)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ConfigError("vocab_size", cfg.vocab_size, "an integer >= 1 (set it from the tokenizer)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style: N(0, init_std) everywhere, output projections scaled by 1/sqrt(2 L).
+        MH-MoE head/merge projections keep their Xavier init (ICML App. E)."""
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.proj.weight, std=out_std)
+            for m in block.ffn.modules():
+                if hasattr(m, "w1") and hasattr(m, "reset_parameters"):
+                    m.reset_parameters(std, out_std)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, mask: Tensor | None = None,
+                cache: KVCache | None = None, return_routing: bool = False,
+                key_mask: Tensor | None = None) -> LMOutput:
+        """idx/targets/mask [B, T]; key_mask [B, T_cached + T] bool marks padding keys (False) that no
+        query attends to (left-padded batches; RoPE is relative, so a row's pad offset cancels)."""
+        if idx.dim() != 2:
+            raise ValueError(f"invalid idx shape {tuple(idx.shape)}: allowed [B, T]")
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        x = self.embed(idx)
+        aux = torch.zeros((), dtype=torch.float32, device=idx.device)
+        routing: list[RoutingStats] = []
+        outputs: list[FFNOutput] = []
+        for i, block in enumerate(self.blocks):
+            x, f = block(x, cos, sin, mask, cache, i, key_mask)
+            if block.is_moe:
+                aux = aux + f.aux_loss
+                if f.stats is not None:
+                    routing.append(f.stats)
+                if return_routing:
+                    outputs.append(f)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            tgt = targets if mask is None else targets.masked_fill(~mask.bool(), -100)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+        return LMOutput(logits, loss, aux, routing, outputs if return_routing else None)
+
+    @torch.no_grad()
+    def balance_step(self, routing: list[RoutingStats]) -> None:
+        """Aux-loss-free balancing: update each MoE router's selection bias from its counts
+        (call once per optimizer step with the step's summed counts)."""
+        moe_routers = [m for m in self.modules() if hasattr(m, "update_bias")]
+        for router, stats in zip(moe_routers, routing, strict=False):
+            router.update_bias(stats.counts)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embeddings else n

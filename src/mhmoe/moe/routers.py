@@ -1,0 +1,214 @@
+"""Routers: map S (sub-)tokens to expert choices. All router math runs in fp32.
+
+Shape legend: S routed (sub-)tokens (= B*T*H for MH-MoE), D_in router input width (d_model / H),
+E experts, K slots per token (top-k; expert-choice uses K = E, one slot per expert).
+
+Every router returns a :class:`RouterOutput` in *token-major slot form*: ``experts[s, j]`` is the
+expert of slot ``j`` of token ``s``, ``weights[s, j]`` its combine weight and ``valid[s, j]`` says
+whether the slot is used (padding, capacity drops and expert-choice's unpicked pairs are invalid).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhmoe.config.moe import MoEConfig
+
+
+@dataclass
+class RouterOutput:
+    """Typed routing decision for S tokens.
+
+    Attributes:
+        weights: [S, K] fp32 combine weights (0 on invalid slots).
+        experts: [S, K] int64 expert ids.
+        valid:   [S, K] bool, slot is dispatched.
+        logits:  [S, E] fp32 raw router scores (before any selection bias).
+        probs:   [S, E] fp32 gate distribution used by the balance/entropy losses.
+        counts:  [E] int64 (token, slot) assignments per expert, before capacity drops.
+        token_mask: [S] bool, token takes part in routing (False = padding).
+    """
+
+    weights: Tensor
+    experts: Tensor
+    valid: Tensor
+    logits: Tensor
+    probs: Tensor
+    counts: Tensor
+    token_mask: Tensor
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[1]
+
+
+def _counts(experts: Tensor, valid: Tensor, n_experts: int) -> Tensor:
+    """[E] number of valid (token, slot) pairs per expert."""
+    return torch.bincount(experts[valid], minlength=n_experts)
+
+
+class Router(nn.Module):
+    """Base class: token-choice top-k over a score matrix, with optional aux-loss-free bias.
+
+    Subclasses implement :meth:`scores` returning ``(logits, gate)``: ``logits`` [S, E] are the raw
+    scores, ``gate`` [S, E] the positive gate values the combine weights are taken from.
+    """
+
+    def __init__(self, d_in: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.d_in, self.n_experts, self.top_k = d_in, cfg.n_experts, cfg.top_k
+        self.renormalize = cfg.renormalize
+        self.bias_update_rate = cfg.bias_update_rate
+        self.aux_free = cfg.aux_free_bias
+        # DeepSeek-V3 selection bias: a buffer (not trained by the optimizer), updated from counts.
+        self.register_buffer("selection_bias", torch.zeros(cfg.n_experts), persistent=cfg.aux_free_bias)
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # pragma: no cover - abstract
+        """Return (logits [S,E], gate [S,E], probs [S,E]) in fp32."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        """x: [S, D_in] (any float dtype); token_mask: [S] bool or None (all routed)."""
+        S = x.shape[0]
+        if token_mask is None:
+            token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits, gate, probs = self.scores(x.float())
+            choice = gate + self.selection_bias if self.aux_free else gate
+            _, experts = torch.topk(choice, self.top_k, dim=-1)
+            weights = torch.gather(gate, 1, experts)
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+        valid = token_mask[:, None].expand(S, self.top_k).clone()
+        weights = weights * valid
+        return RouterOutput(weights, experts, valid, logits, probs, _counts(experts, valid, self.n_experts),
+                            token_mask)
+
+    @torch.no_grad()
+    def update_bias(self, counts: Tensor) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded."""
+        if not self.aux_free:
+            return
+        load = counts.to(self.selection_bias.dtype)
+        self.selection_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+
+
+class SoftmaxRouter(Router):
+    """Switch/GShard router: linear scores, softmax over experts, top-k of the probabilities."""
+
+    def __init__(self, d_in: int, cfg: MoEConfig) -> None:
+        super().__init__(d_in, cfg)
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, d_in))
+        nn.init.normal_(self.weight, std=cfg.init_std)
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = x @ self.weight.float().t()
+        probs = logits.softmax(-1)
+        return logits, probs, probs
+
+
+class SigmoidRouter(SoftmaxRouter):
+    """Sigmoid gating (DeepSeek-V3 style): independent per-expert affinities, top-k of them."""
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = x @ self.weight.float().t()
+        gate = torch.sigmoid(logits)
+        return logits, gate, gate / gate.sum(-1, keepdim=True)
+
+
+class NoisyTopKRouter(Router):
+    """Shazeer et al. (2017): H = xW_g + N(0,1)*softplus(xW_noise) in training; top-k of H;
+    the weights are a softmax over the kept logits (== renormalised top-k)."""
+
+    def __init__(self, d_in: int, cfg: MoEConfig) -> None:
+        super().__init__(d_in, cfg)
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, d_in))
+        self.noise_weight = nn.Parameter(torch.zeros(cfg.n_experts, d_in))
+        self.noise_std = cfg.noise_std
+        nn.init.normal_(self.weight, std=cfg.init_std)
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = x @ self.weight.float().t()
+        if self.training and self.noise_std > 0:
+            noise_scale = F.softplus(x @ self.noise_weight.float().t())
+            logits = logits + self.noise_std * torch.randn_like(logits) * noise_scale
+        probs = logits.softmax(-1)
+        return logits, probs, probs
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        out = super().forward(x, token_mask)
+        # softmax over the kept logits: renormalised top-k probabilities
+        out.weights = out.weights / out.weights.sum(-1, keepdim=True).clamp_min(1e-9) * out.valid
+        return out
+
+
+class XMoERouter(Router):
+    """X-MoE (Chi et al. 2022): project to a low dimension, L2-normalise token and expert embeddings,
+    cosine scores divided by a learnable temperature; softmax or sigmoid gate."""
+
+    def __init__(self, d_in: int, cfg: MoEConfig) -> None:
+        super().__init__(d_in, cfg)
+        self.proj = nn.Linear(d_in, cfg.router_dim, bias=False)
+        self.expert_embed = nn.Parameter(torch.empty(cfg.n_experts, cfg.router_dim))
+        self.temperature = nn.Parameter(torch.tensor(float(cfg.temperature_init)))
+        self.gate_kind = cfg.xmoe_gate
+        nn.init.normal_(self.proj.weight, std=cfg.init_std)
+        nn.init.orthogonal_(self.expert_embed, gain=0.32)
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        z = F.normalize(x @ self.proj.weight.float().t(), dim=-1)
+        e = F.normalize(self.expert_embed.float(), dim=-1)
+        logits = (z @ e.t()) / self.temperature.float().clamp_min(1e-2)
+        if self.gate_kind == "softmax":
+            probs = logits.softmax(-1)
+            return logits, probs, probs
+        gate = torch.sigmoid(logits)
+        return logits, gate, gate / gate.sum(-1, keepdim=True)
+
+
+class ExpertChoiceRouter(SoftmaxRouter):
+    """Expert choice (Zhou et al. 2022): every expert picks its top-C tokens by softmax score,
+    C = ceil(capacity_factor * S * K / E) (capacity_factor defaults to 1). Tokens may get 0..E experts.
+    Output uses K = E slots per token (slot e = expert e)."""
+
+    def __init__(self, d_in: int, cfg: MoEConfig) -> None:
+        super().__init__(d_in, cfg)
+        self.capacity_factor = cfg.capacity_factor or 1.0
+        self.eval_capacity_factor = cfg.eval_capacity_factor or self.capacity_factor
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        S, E = x.shape[0], self.n_experts
+        if token_mask is None:
+            token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
+        cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits, probs, _ = self.scores(x.float())
+            n_real = int(token_mask.sum())
+            cap = min(n_real, math.ceil(cf * n_real * self.top_k / E))
+            masked = probs.masked_fill(~token_mask[:, None], -1.0)  # padding is never picked
+            experts = torch.arange(E, device=x.device).expand(S, E)
+            valid = torch.zeros(S, E, dtype=torch.bool, device=x.device)
+            if cap > 0:
+                _, picked = torch.topk(masked.t(), cap, dim=-1)  # [E, C] token ids
+                valid[picked, torch.arange(E, device=x.device)[:, None].expand(E, cap)] = True
+            weights = probs * valid
+        return RouterOutput(weights, experts.contiguous(), valid, logits, probs, valid.sum(0), token_mask)
+
+
+ROUTER_CLASSES: dict[str, type[Router]] = {
+    "softmax": SoftmaxRouter,
+    "sigmoid": SigmoidRouter,
+    "noisy": NoisyTopKRouter,
+    "xmoe": XMoERouter,
+    "expert_choice": ExpertChoiceRouter,
+}
+
+
+def build_router(d_in: int, cfg: MoEConfig) -> Router:
+    """Router named by ``cfg.router`` for inputs of width ``d_in``."""
+    return ROUTER_CLASSES[cfg.router](d_in, cfg)

@@ -1,0 +1,190 @@
+"""Routing analysis behind the papers' figures: expert activation (ICML Fig. 1/5), sub-token assign
+diversity (ICML Fig. 7), router entropy and load imbalance per MoE layer.
+
+Shape legend: L MoE layers, E experts, T tokens analysed, H heads, K top-k; a token's H sub-tokens
+give it H*K (expert) slots.
+
+Definitions (pure functions, tested on hand-made routing decisions):
+
+- **activation frequency** of expert e in a layer = (number of slots routed to e) / (number of
+  tokens), as the ICML paper defines it ("the ratio of each expert's selection frequency ... to the
+  total number of tokens"); an expert is *activated* when its frequency exceeds ``threshold``; the
+  *activation ratio* is the fraction of (layer, expert) pairs that are activated. For MH-MoE the
+  selections of all H sub-tokens count, which is the paper's point.
+- **assign diversity** of a token = number of distinct experts its H*K slots reach in a layer,
+  averaged over layers.
+- **router entropy** = mean over routed (sub-)tokens of the gate distribution's entropy (nats);
+  **load imbalance** = max / mean expert load.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def activation_frequency(experts: Tensor, valid: Tensor, n_experts: int, n_tokens: int) -> Tensor:
+    """[E] selections per token: slots routed to each expert / number of tokens."""
+    counts = torch.bincount(experts[valid], minlength=n_experts).double()
+    return counts / max(1, n_tokens)
+
+
+def activation_ratio(freq: Tensor, threshold: float) -> float:
+    """Fraction of entries of ``freq`` ([L, E] or [E]) above ``threshold``."""
+    return float((freq > threshold).double().mean())
+
+
+def assign_diversity(experts: Tensor, valid: Tensor) -> Tensor:
+    """experts, valid: [T, H*K] per token -> [T] number of distinct valid experts per token."""
+    big = int(experts.max()) + 1 if experts.numel() else 1
+    e = torch.where(valid, experts, big + torch.arange(experts.shape[1], device=experts.device))  # invalid: unique
+    s, _ = torch.sort(e, dim=1)
+    distinct = torch.ones_like(s[:, :1]) + (s[:, 1:] != s[:, :-1]).sum(1, keepdim=True)
+    return (distinct.squeeze(1) - (~valid).sum(1)).clamp_min(0)
+
+
+def router_entropy(probs: Tensor, mask: Tensor) -> float:
+    p = probs[mask].double()
+    if p.numel() == 0:
+        return 0.0
+    return float(-(p * (p + 1e-30).log()).sum(-1).mean())
+
+
+def load_imbalance(counts: Tensor) -> float:
+    c = counts.double()
+    return float(c.max() / c.mean()) if c.numel() and float(c.mean()) > 0 else 1.0
+
+
+@dataclass
+class RoutingRecord:
+    """Accumulated routing of one MoE layer over the analysed tokens."""
+
+    n_experts: int
+    slots_per_token: int  # H * K
+    counts: Tensor
+    tokens: int = 0
+    entropy_sum: float = 0.0
+    entropy_n: int = 0
+    diversity: list[Tensor] = field(default_factory=list)  # [T] per batch
+
+
+@torch.no_grad()
+def collect_routing(model, batches, device: torch.device | str = "cpu") -> tuple[list[RoutingRecord], list[Tensor]]:
+    """Run ``model`` on (x, y) batches and collect per-layer routing records and the token ids."""
+    model.eval()
+    records: list[RoutingRecord] = []
+    token_ids: list[Tensor] = []
+    for x, _ in batches:
+        x = x.to(device)
+        out = model(x, return_routing=True)
+        token_ids.append(x.reshape(-1).cpu())
+        for i, f in enumerate(out.layer_outputs or []):
+            r = f.route
+            n_tok = x.numel()
+            if len(records) <= i:
+                records.append(RoutingRecord(r.probs.shape[1], r.experts.numel() // n_tok,
+                                             torch.zeros(r.probs.shape[1], dtype=torch.float64)))
+            rec = records[i]
+            rec.counts += torch.bincount(r.experts[r.valid].cpu(), minlength=rec.n_experts).double()
+            rec.tokens += n_tok
+            m = r.token_mask.cpu()
+            rec.entropy_sum += router_entropy(r.probs.cpu(), m) * int(m.sum())
+            rec.entropy_n += int(m.sum())
+            per_tok = r.experts.cpu().reshape(n_tok, -1)
+            rec.diversity.append(assign_diversity(per_tok, r.valid.cpu().reshape(n_tok, -1)))
+    return records, token_ids
+
+
+def summarize(records: list[RoutingRecord], threshold: float) -> dict:
+    freq = torch.stack([r.counts / max(1, r.tokens) for r in records]) if records else torch.zeros(0, 0)
+    div = torch.stack([torch.cat(r.diversity).double() for r in records]).mean(0) if records else torch.zeros(0)
+    return {
+        "threshold": threshold,
+        "activation_ratio": activation_ratio(freq, threshold) if freq.numel() else 0.0,
+        "activation_ratio_per_layer": [activation_ratio(f, threshold) for f in freq],
+        "router_entropy_per_layer": [r.entropy_sum / max(1, r.entropy_n) for r in records],
+        "load_imbalance_per_layer": [load_imbalance(r.counts) for r in records],
+        "mean_assign_diversity": float(div.mean()) if div.numel() else 0.0,
+        "max_possible_diversity": max((min(r.n_experts, r.slots_per_token) for r in records), default=0),
+        "frequency": freq,
+        "diversity": div,
+    }
+
+
+def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | Path, top: int = 20) -> dict:
+    """Write activation.png/csv, diversity.png/csv and summary.json into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    freq: Tensor = summary.pop("frequency")
+    div: Tensor = summary.pop("diversity")
+    with open(out / "activation.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["layer"] + [f"expert_{e}" for e in range(freq.shape[1] if freq.numel() else 0)])
+        for i, row in enumerate(freq.tolist()):
+            w.writerow([i] + [f"{v:.6g}" for v in row])
+    fig, ax = plt.subplots(figsize=(max(6, 0.12 * (freq.shape[1] if freq.numel() else 1)), 1.2 + 0.5 * len(freq)))
+    im = ax.imshow(freq.numpy() if freq.numel() else np.zeros((1, 1)), aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(max(1, len(freq))))
+    ax.set_title(f"expert activation (selections / token); activation ratio {summary['activation_ratio']:.3f}")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out / "activation.png", dpi=120)
+    plt.close(fig)
+    ids = torch.cat(token_ids) if token_ids else torch.zeros(0, dtype=torch.long)
+    values, counts = np.unique(div.numpy().round(3), return_counts=True) if div.numel() else ([], [])
+    with open(out / "diversity.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["mean_distinct_experts", "tokens"])
+        w.writerows(zip(values, counts, strict=True))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(div.numpy() if div.numel() else [], bins=30)
+    ax.set_xlabel("distinct experts per token (mean over MoE layers)")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"sub-token assign diversity (mean {summary['mean_assign_diversity']:.2f})")
+    fig.tight_layout()
+    fig.savefig(out / "diversity.png", dpi=120)
+    plt.close(fig)
+    if div.numel():
+        order = torch.argsort(div, descending=True, stable=True)
+        pick = lambda idx: [{"token": decode([int(ids[i])]), "diversity": float(div[i])} for i in idx]  # noqa: E731
+        summary["highest_diversity_tokens"] = pick(order[:top].tolist())
+        summary["lowest_diversity_tokens"] = pick(order.flip(0)[:top].tolist())
+    summary["tokens_analysed"] = int(ids.numel())
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float), encoding="utf-8")
+    return summary
+
+
+def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, batches: int = 8,
+                       threshold: float = 0.01, device: str = "cpu") -> dict:
+    """Analyse routing of a checkpoint on held-out text (the training corpus's validation split, or
+    ``data``: a corpus name or path, tokenised with the checkpoint's tokenizer)."""
+    from mhmoe.config.data import DataConfig
+    from mhmoe.data import iter_eval_batches, prepare_data
+    from mhmoe.train.checkpoint import load_latest
+
+    ck = load_latest(checkpoint, device)
+    cfg = ck.run.train
+    dcfg = ck.run.data if data is None else DataConfig(**{**ck.run.data.__dict__, "corpus": data, "val_sets": ()})
+    prepared = prepare_data(dcfg, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
+    val = next(iter(prepared.val.values()))
+    it = iter_eval_batches(val, batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_batches=batches)
+    records, ids = collect_routing(ck.model, it, device)
+    if not records:
+        raise ValueError(f"checkpoint {ck.path} has no MoE layers to analyse (dense model)")
+    summary = summarize(records, threshold)
+    summary["checkpoint"] = str(ck.path)
+    return write_report(summary, ids, ck.tokenizer.decode, out_dir)
+

@@ -1,0 +1,247 @@
+"""MoE layer benchmark: our execution paths vs the masked per-expert loop vs a same-FLOPs dense FFN.
+
+Configurations are the v2 paper's four parity models at d=768 (SwiGLU): SMoE 8x2048 top-1,
+fine-grained 16x1024 top-2, MH-MoE h=2 40x768 top-2 and h=3 96x512 top-3 (with head/merge layers).
+The dense reference is one SwiGLU FFN whose hidden width makes its matmul FLOPs equal to the MoE
+layer's, *measured* with FlopCounterMode (so head/merge and router FLOPs are included).
+
+Timing: warm-up, then the median of ``repeats`` runs, all candidates of a row timed round-robin
+(:func:`time_fns`); ``fwd`` runs under ``torch.no_grad()``,
+``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients and (by
+default) the input's gradient, as for any layer inside a network.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.experts import DenseFFN
+from mhmoe.moe.layers import build_ffn_layer
+
+D_MODEL = 768
+PEER_GROUP = 1024  # tokens per sequence for the peers (their expert capacity is per sequence)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    experts: int
+    d_expert: int
+    top_k: int
+    heads: int
+
+    def moe_config(self, impl: str) -> MoEConfig:
+        hm = self.heads > 1
+        return MoEConfig(n_experts=self.experts, top_k=self.top_k, d_expert=self.d_expert, heads=self.heads,
+                         head_layer=hm, merge_layer=hm, impl=impl, balance_loss_weight=1e-2)
+
+
+CONFIGS = {
+    "smoe": BenchConfig("smoe", 8, 2048, 1, 1),
+    "fgmoe": BenchConfig("fgmoe", 16, 1024, 2, 1),
+    "mh2": BenchConfig("mh2", 40, 768, 2, 2),
+    "mh3": BenchConfig("mh3", 96, 512, 3, 3),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PASSES = ("fwd", "fwd_bwd")
+
+
+def available_impls(device: torch.device) -> list[str]:
+    """Our execution paths usable on ``device`` (the loop oracle is measured separately)."""
+    return ["padded", "fused", "chunked", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in milliseconds."""
+    return time_fns({"fn": fn}, device, repeats, warmup)[0]["fn"]
+
+
+def time_fns(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 2,
+             fallible: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
+    """Median wall time in ms of every function, measured **round-robin**: each repeat runs every
+    function once in turn, so slow drifts of a shared machine (other tenants, frequency, memory
+    state) hit all candidates alike instead of whichever happened to be timed last.
+
+    A function named in ``fallible`` that raises ``RuntimeError`` in the warm-up is dropped and its
+    first error line returned in the second dict (peers that cannot run a config); other errors propagate.
+    """
+    errors: dict[str, str] = {}
+    live = dict(fns)
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except RuntimeError as e:
+            if name not in fallible:
+                raise
+            errors[name] = str(e).splitlines()[0][:200]
+            del live[name]
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(repeats):
+        for name, fn in live.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}, errors
+
+
+def _runner(module: torch.nn.Module, x: torch.Tensor, pass_: str) -> Callable[[], Any]:
+    def fwd() -> Any:
+        with torch.no_grad():
+            return module(x)
+
+    def fwd_bwd() -> Any:
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        out = module(x)
+        y, aux = (out.out, out.aux_loss) if hasattr(out, "out") else (out, 0.0)
+        (y.float().sum() + aux).backward()
+
+    return fwd if pass_ == "fwd" else fwd_bwd
+
+
+def _autocast(fn: Callable[[], Any], device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.autocast(device.type, dtype=dtype):
+            return fn()
+
+    return run
+
+
+def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module(x.detach())  # FlopCounterMode's module tracker cannot hook a grad-requiring input under no_grad
+    return counter.get_total_flops()
+
+
+def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
+                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = (),
+                 input_grad: bool = True) -> list[dict]:
+    """``input_grad``: the backward also computes the layer input's gradient, as every layer inside a
+    network must (off, a path may skip its input-side GEMMs and a dense FFN its W1/W3 data gradients)."""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
+    layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
+              for impl in available_impls(device)}
+    first = next(iter(layers.values()))
+    for layer in layers.values():
+        layer.load_state_dict(first.state_dict())
+    flops = layer_flops(first, x)
+    dense_hidden = max(1, round(flops / tokens / (6 * D_MODEL)))
+    dense = DenseFFN(D_MODEL, dense_hidden).to(device, dtype)
+    loop = None
+    if with_loop:
+        loop = build_ffn_layer(D_MODEL, cfg.moe_config("loop")).to(device, dtype)
+        loop.load_state_dict(first.state_dict())
+    peer_layers = {}
+    for name in peers:
+        from mhmoe.research.bench_peers import build_peer
+
+        layer = build_peer(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, PEER_GROUP
+                           if tokens % PEER_GROUP == 0 else tokens)
+        if layer is not None:  # fp32 weights; bf16 runs under autocast (their dispatch tensors are fp32)
+            peer_layers[name] = layer.to(device)
+    rows = []
+    for pass_ in passes:
+        row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
+                               "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
+                               "dense_hidden": dense_hidden}
+        fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
+        fns["ms_dense"] = _runner(dense, x, pass_)
+        if loop is not None:
+            fns["ms_loop"] = _runner(loop, x, pass_)
+        for name, layer in peer_layers.items():  # bf16: under autocast (fp32 weights)
+            run = _runner(layer, x, pass_)
+            fns[f"ms_peer_{name}"] = run if dtype == torch.float32 else _autocast(run, device, dtype)
+        times, errors = time_fns(fns, device, repeats, fallible=frozenset(f"ms_peer_{n}" for n in peer_layers))
+        row.update(times)
+        best = min(layers, key=lambda i: row[f"ms_{i}"])
+        row["best_impl"] = best
+        row["ms_ours"] = row[f"ms_{best}"]
+        row.setdefault("ms_loop", None)
+        row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
+        row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
+        for name in peer_layers:
+            ms = row.setdefault(f"ms_peer_{name}", None)
+            row[f"ratio_peer_{name}"] = ms / row["ms_ours"] if ms else None
+            if f"ms_peer_{name}" in errors:  # a peer that cannot run this config/dtype: recorded, not fatal
+                row.setdefault("peer_errors", {})[name] = errors[f"ms_peer_{name}"]
+        rows.append(row)
+    return rows
+
+
+def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
+                  with_loop: bool = True, progress: Callable[[str], None] | None = None,
+                  peers: tuple[str, ...] = (), input_grad: bool = True) -> dict:
+    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.bench_peers.installed_peers`."""
+    dev = torch.device(device)
+    rows: list[dict] = []
+    for name in configs:
+        for dt in dtypes:
+            if progress:
+                progress(f"{name} {dt}")
+            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
+                                 peers=tuple(peers), input_grad=input_grad)
+    smoe = {(r["dtype"], r["pass"]): r["ms_ours"] for r in rows if r["config"] == "smoe"}
+    for r in rows:
+        base = smoe.get((r["dtype"], r["pass"]))
+        r["ratio_vs_smoe"] = r["ms_ours"] / base if base else None
+    machine = machine_info(dev)
+    if peers:
+        from mhmoe.research.bench_peers import peer_info
+
+        machine["peers"] = peer_info()
+    return {"machine": machine, "rows": rows}
+
+
+def format_rows(result: dict) -> str:
+    rows = result["rows"]
+    impls = sorted({k[3:] for r in rows for k in r
+                    if k.startswith("ms_") and k[3:] not in ("ours", "dense", "loop") and not k.startswith("ms_peer_")})
+    peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
+    head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
+            + ["ours ms", "loop ms", "dense ms", "dense/ours", "loop/ours", "vs smoe"]
+            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for r in rows:
+        cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
+        cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
+                  fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
+        cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
+        lines.append("| " + " | ".join(cells) + " |")
+    m = result["machine"]
+    lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}")
+    return "\n".join(lines)

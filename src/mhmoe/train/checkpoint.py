@@ -1,0 +1,125 @@
+"""Checkpoints: safetensors weights + YAML config + trainer state + tokenizer, written atomically.
+
+Layout of one checkpoint (``RUN/checkpoints/step_00000600/``)::
+
+    model.safetensors     weights (tied tensors stored once)
+    config.yaml           the full RunConfig
+    trainer_state.pt      optimizer, LR scheduler, RNG states, step, counters (tensors + plain data,
+                          loaded with ``weights_only=True``: nothing is unpickled)
+    tokenizer/            the tokenizer files (see mhmoe.data.Tokenizer.save)
+    meta.json             step, format version and the sha256 of every file above (written last)
+
+Multi-process runs write sharded ``torch.distributed.checkpoint`` checkpoints instead (``dcp/`` in
+place of the safetensors and optimizer files, ``"format": "dcp"`` in meta.json); loading them here
+gathers the full model in one process (see :mod:`mhmoe.train.dcp_reader`).
+
+A checkpoint is written into a hidden temporary directory and renamed into place, so a crash never
+leaves a half-written checkpoint under a real name. Loading verifies sizes and hashes; a corrupted
+or truncated checkpoint is reported in one line and the previous one is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from mhmoe.config.run import RunConfig
+from mhmoe.data.tokenizer import load_tokenizer
+from mhmoe.data.tokenizer_base import Tokenizer
+from mhmoe.errors import CheckpointError
+from mhmoe.model.lm import LM
+from mhmoe.train.checkpoint_format import (
+    CKPT_DIR,
+    FORMAT_VERSION,
+    PREFIX,
+    Checkpoint,
+    list_checkpoints,
+    model_is_finite,
+    publish_checkpoint,
+    verify_checkpoint,
+)
+from mhmoe.train.dcp_reader import load_dcp_single
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: LM, run: RunConfig, tokenizer: Tokenizer,
+                    trainer_state: dict[str, Any], keep_last: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
+
+    Raises CheckpointError (and writes nothing) when the model holds NaN/Inf values.
+    """
+    if not model_is_finite(model):
+        raise CheckpointError(f"refusing to save step {step}: the model has non-finite parameters")
+    root = Path(run_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        (tmp / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        tokenizer.save(tmp / "tokenizer")
+        publish_checkpoint(tmp, final, run_dir, {"format_version": FORMAT_VERSION, "step": step}, keep_last)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    """Load one verified checkpoint directory."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    if meta.get("format") == "dcp":  # sharded (torch.distributed.checkpoint), see mhmoe.train.dcp_reader
+        return load_dcp_single(path, int(meta["step"]), device)
+    try:
+        run = RunConfig.load(path / "config.yaml")
+        model = LM(run.model)
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        if [m for m in missing if not m.startswith("rope_")] or unexpected:
+            raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]})")
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        tokenizer = load_tokenizer(path / "tokenizer")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # corrupted content that passed the hash check (e.g. a foreign file)
+        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {exc})") from None
+    return Checkpoint(path, int(meta["step"]), run, model.to(device), tokenizer, state)
+
+
+def load_latest(run_or_ckpt: str | Path, device: str | torch.device = "cpu", warn: bool = True) -> Checkpoint:
+    """Load the newest valid checkpoint of a run directory (or the given checkpoint directory).
+
+    A corrupted or truncated checkpoint prints one line to stderr and falls back to the previous one.
+    """
+    p = Path(run_or_ckpt)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such run or checkpoint directory")
+    if (p / "meta.json").is_file() or p.name.startswith(PREFIX):
+        return load_checkpoint(p, device)
+    candidates = list_checkpoints(p)
+    if not candidates:
+        raise CheckpointError(f"{p}: no checkpoints found (expected {p / CKPT_DIR / 'step_*'})")
+    errors = []
+    for c in reversed(candidates):
+        try:
+            return load_checkpoint(c, device)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            if warn:
+                print(f"mhmoe: warning: {exc}; falling back to the previous checkpoint", file=sys.stderr)
+    raise CheckpointError(f"{p}: no valid checkpoint ({errors[0]})")
+
+
+__all__ = [
+    "CKPT_DIR", "FORMAT_VERSION", "PREFIX", "Checkpoint", "list_checkpoints", "load_checkpoint", "load_latest",
+    "model_is_finite", "publish_checkpoint", "save_checkpoint", "verify_checkpoint",
+]

@@ -1,0 +1,330 @@
+"""The training loop: AdamW, warm-up + decay schedules, gradient accumulation and clipping, bf16
+autocast, periodic evaluation, atomic checkpoints and bit-exact resume.
+
+Reading order: :func:`train` builds a :class:`Trainer`; :meth:`Trainer.run` calls, per optimizer step,
+:meth:`~Trainer.train_step` (forward/backward of every micro-batch, gradient reduction and clipping,
+optimizer and scheduler step), then :meth:`~Trainer.log_step`, :meth:`~Trainer.evaluate` and
+:meth:`~Trainer.save` when they are due, and :meth:`~Trainer.finish` at the end.
+
+Exact resume on CPU: the batch of (step, micro-step) is a pure function of the seed
+(:class:`mhmoe.data.BatchSampler`); the optimizer, scheduler and RNG states are checkpointed; so a
+run stopped at step k and resumed produces the same losses, bit for bit, as an uninterrupted run.
+Parallelism comes from outside through a :class:`~mhmoe.train.parallelism.SingleProcess`-like object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mhmoe.config.run import RunConfig
+from mhmoe.data import BatchSampler, PreparedData, prepare_data
+from mhmoe.errors import ConfigError
+from mhmoe.model.lm import LM
+from mhmoe.moe.layers import RoutingStats
+from mhmoe.runtime.device import autocast_ctx, resolve_device
+from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
+from mhmoe.train.evaluate import evaluate, forward_flops_per_token
+from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
+from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
+from mhmoe.train.parallelism import SingleProcess
+
+LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")  # taken from the command on --resume
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    eval: dict[str, dict[str, float]] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    params: int = 0
+    flops_per_token: float = 0.0
+    nan_skips: int = 0
+    wall_s: float = 0.0
+    rank: int = 0  # torchrun rank (only rank 0 writes metrics and results.json)
+
+
+@dataclass
+class Progress:
+    """Counters that survive a resume (checkpointed in the trainer state)."""
+
+    step: int = 0
+    nan_total: int = 0
+    tokens_seen: int = 0
+    train_s: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (losses are means over its micro-batches)."""
+
+    finite: bool
+    lm_loss: float = 0.0
+    aux_loss: float = 0.0
+    grad_norm: float | None = None
+    lr: float = 0.0
+    routing: list[RoutingStats] = field(default_factory=list)
+
+
+def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
+          stop_after: int | None = None, parallelism: SingleProcess | None = None) -> TrainResult:
+    """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint.
+
+    ``stop_after`` ends the loop after that optimizer step (saving a checkpoint), as an interruption
+    would -- used to test exact resume. ``parallelism``: how the run is spread over processes (default:
+    one process on ``train.device``); torchrun launches go through :func:`mhmoe.parallel.train_parallel`.
+    """
+    if parallelism is None:
+        check_single_process(run)
+        parallelism = SingleProcess(resolve_device(run.train.device))
+    return Trainer(run, Path(run_dir), resume, progress, stop_after, parallelism).run()
+
+
+def check_single_process(run: RunConfig) -> None:
+    """A run without a parallel launcher: refuse settings that need several processes."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world not in ("", "1"):
+        raise ConfigError("WORLD_SIZE", world, "1 for mhmoe.train.train (torchrun runs use mhmoe.parallel)")
+    if run.train.parallel in ("ddp", "fsdp"):
+        raise ConfigError("train.parallel", run.train.parallel, "auto | none without torchrun")
+    if run.train.ep > 1:
+        raise ConfigError("train.ep", run.train.ep, "1 without torchrun (expert parallelism needs several processes)")
+
+
+def resumed_run(ckpt: Checkpoint, launch: RunConfig) -> RunConfig:
+    """The checkpoint's run config, with the launch properties (:data:`LAUNCH_FIELDS`) of this command."""
+    train_cfg = {**asdict(ckpt.run.train), **{k: getattr(launch.train, k) for k in LAUNCH_FIELDS}}
+    return RunConfig.from_dict({**ckpt.run.to_dict(), "train": train_cfg})
+
+
+class Trainer:
+    """One training run. Built by :func:`train`; every method is one named piece of the loop."""
+
+    def __init__(self, run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
+                 par: SingleProcess) -> None:
+        self.run_dir, self.par, self.stop_after = run_dir, par, stop_after
+        self.ckpt = self._open_resume(run, resume)
+        self.run_cfg = resumed_run(self.ckpt, run) if self.ckpt else run
+        self.cfg = self.run_cfg.train
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        torch.manual_seed(self.cfg.seed)
+        self.data = self._prepare_data(progress)
+        self._write_config()
+        self.model = self.ckpt.model if self.ckpt and self.ckpt.model is not None else LM(self.run_cfg.model)
+        self.module = par.parallelize(self.model)
+        self.optimizer = build_optimizer(self.model, self.cfg, fused=par.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
+        self.state = self._restore()
+        self.start = self.state.step
+        self.sampler = BatchSampler(self.data.train, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
+                                    seed=self.cfg.seed, rank=par.rank, world_size=par.world_size)
+        self.forward = torch.compile(self.module) if self.cfg.compile else self.module
+        self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
+        self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
+        self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
+        self.nan_run = 0
+        self.window = (time.perf_counter(), 0)  # (start time, tokens) of the current log window
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _open_resume(self, run: RunConfig, resume: bool) -> Checkpoint | None:
+        has_ckpt = bool(list_checkpoints(self.run_dir))
+        if has_ckpt and not resume:
+            raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
+                                                          "continue)")
+        if not has_ckpt:
+            return None
+        ckpt = self.par.load_checkpoint(self.run_dir)
+        if self.par.is_rank0:
+            print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
+                  f"train.max_steps={run.train.max_steps}, threads, parallel and ep are taken from this command)",
+                  file=sys.stderr)
+        return ckpt
+
+    def _prepare_data(self, progress: bool) -> PreparedData:
+        """Tokenize and cache the data (rank 0 first, so the others read its cache)."""
+        if not self.par.is_rank0:
+            self.par.barrier()
+        tokenizer = self.ckpt.tokenizer if self.ckpt else None
+        data = prepare_data(self.run_cfg.data, seq_len=self.cfg.seq_len, tokenizer=tokenizer,
+                            progress=progress and self.par.is_rank0)
+        if self.par.is_rank0:
+            self.par.barrier()
+        if self.run_cfg.model.vocab_size != data.tokenizer.vocab_size:
+            model = {**self.run_cfg.model.to_dict(), "vocab_size": data.tokenizer.vocab_size}
+            self.run_cfg = RunConfig.from_dict({**self.run_cfg.to_dict(), "model": model})
+        return data
+
+    def _write_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.par.is_rank0:
+            (self.run_dir / "config.yaml").write_text(self.run_cfg.to_yaml(), encoding="utf-8")
+
+    def _restore(self) -> Progress:
+        """Optimizer, scheduler, RNG and counters from the resume checkpoint (fresh counters without one)."""
+        if not self.ckpt:
+            return Progress()
+        st = self.par.restore(self.ckpt, self.model, self.optimizer)
+        self.scheduler.load_state_dict(st["scheduler"])
+        torch.set_rng_state(st["rng_cpu"])
+        if self.par.device.type == "cuda" and "rng_cuda" in st:
+            torch.cuda.set_rng_state(st["rng_cuda"])
+        return Progress(st["step"], st["nan_total"], st["tokens_seen"], st["train_s"])
+
+    # ---- one optimizer step ------------------------------------------------------------------
+    def train_step(self, step: int) -> StepResult:
+        """Forward/backward of every micro-batch of ``step``, gradient reduction and clipping, then the
+        optimizer and scheduler step (a non-finite loss or gradient skips the optimizer step)."""
+        self.model.train()
+        n = self.cfg.grad_accum
+        lm_sum, aux_sum, routing, finite = 0.0, 0.0, None, True
+        for micro in range(n):
+            x, y = self.sampler.get_batch(step, micro)
+            x, y = x.to(self.par.device, non_blocking=True), y.to(self.par.device, non_blocking=True)
+            with self.par.micro_step(last=micro == n - 1):
+                with autocast_ctx(self.par.device, self.cfg.dtype):
+                    out = self.forward(x, y)
+                loss = (out.loss + out.aux_loss) / n
+                if not torch.isfinite(loss):
+                    finite = False
+                    if not self.par.lockstep:
+                        break
+                loss.backward()
+            lm_sum += float(out.loss.detach())
+            aux_sum += float(out.aux_loss.detach())
+            routing = sum_routing(routing, out.routing)
+        gnorm = self.par.finish_grads(self.model, self.cfg.grad_clip or math.inf, finite)
+        finite = gnorm is not None and bool(torch.isfinite(gnorm))  # finite loss, non-finite grads: skip too
+        res = StepResult(finite, lm_sum / n, aux_sum / n, None if gnorm is None else float(gnorm),
+                         self.scheduler.get_last_lr()[0], routing or [])
+        if finite:
+            self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.cfg, step)
+            self.optimizer.step()
+            if res.routing:
+                self.model.balance_step(res.routing)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return res
+
+    def count_nonfinite(self, step: int, res: StepResult) -> None:
+        """Track skipped steps; stop the run after ``train.max_nan_skips`` in a row."""
+        if res.finite:
+            self.nan_run = 0
+            return
+        self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
+        if self.par.is_rank0:
+            print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
+                  f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
+        if self.nan_run > self.cfg.max_nan_skips:
+            raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
+                               f"(train.max_nan_skips={self.cfg.max_nan_skips}); lower train.lr or use float32")
+
+    # ---- logging, evaluation, checkpoints ----------------------------------------------------
+    def log_step(self, res: StepResult) -> None:
+        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar."""
+        step = self.state.step
+        lm, aux = self.par.mean([res.lm_loss, res.aux_loss])
+        now = time.perf_counter()
+        tps = self.window[1] / max(1e-9, now - self.window[0])
+        self.window = (now, 0)
+        rec = {"step": step, "loss": lm, "aux_loss": aux, "lr": res.lr, "grad_norm": res.grad_norm,
+               "tokens_per_s": tps, "tokens": self.state.tokens_seen, "nan_skips": self.state.nan_total,
+               **routing_summary(res.routing, self.cfg.grad_accum)}
+        if self.metrics is not None:
+            self.metrics.log(rec)
+        self.bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tps:,.0f}")
+
+    def evaluate(self, step: int) -> dict[str, dict[str, float]]:
+        """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
+        forwards are collectives); rank 0 logs to eval.jsonl."""
+        res = evaluate(self.model, self.data.val, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
+                       max_batches=self.cfg.eval_batches, device=self.par.device, dtype=self.cfg.dtype)
+        if self.metrics is not None:
+            self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
+                              **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
+        self.result.eval = res
+        return res
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Scheduler, RNG and counters (the optimizer is saved by the parallelism's checkpoint writer)."""
+        st = {**asdict(self.state), "scheduler": self.scheduler.state_dict(), "rng_cpu": torch.get_rng_state()}
+        if self.par.device.type == "cuda":
+            st["rng_cuda"] = torch.cuda.get_rng_state()
+        return st
+
+    def save(self) -> None:
+        """Checkpoint the current step (atomic; older checkpoints pruned to ``train.keep_last``)."""
+        self.par.save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer, self.run_cfg,
+                                 self.data.tokenizer, self.trainer_state(), self.cfg.keep_last)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        try:
+            self._loop()
+        except KeyboardInterrupt:
+            self.bar.close()
+            self._save_interrupted()
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+        self.bar.close()
+        return self.finish()
+
+    def _loop(self) -> None:
+        cfg, st = self.cfg, self.state
+        while st.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            res = self.train_step(st.step)
+            self.count_nonfinite(st.step, res)
+            st.step += 1
+            if not res.finite:
+                continue
+            n_tok = cfg.tokens_per_step * self.par.world_size
+            st.tokens_seen += n_tok
+            st.train_s += time.perf_counter() - t0
+            self.window = (self.window[0], self.window[1] + n_tok)
+            self.bar.update(1)
+            if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
+                self.log_step(res)
+            if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
+                self.evaluate(st.step)
+            if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps:
+                self.save()
+            if self.stop_after is not None and st.step >= self.stop_after:
+                break
+
+    def _save_interrupted(self) -> None:
+        step = self.state.step
+        if self.par.saves_alone and self.start < step < self.cfg.max_steps:
+            self.save()
+            print(f"mhmoe: interrupted; checkpoint saved at step {step} (continue with --resume)", file=sys.stderr)
+
+    def finish(self) -> TrainResult:
+        """Final checkpoint and evaluation; results.json (rank 0)."""
+        st, res = self.state, self.result
+        if st.step > self.start or not list_checkpoints(self.run_dir):
+            self.save()
+        if st.step >= self.cfg.max_steps:
+            self.evaluate(st.step)
+        res.step, res.nan_skips, res.wall_s = st.step, st.nan_total, st.train_s
+        res.tokens_per_s = st.tokens_seen / max(1e-9, st.train_s)
+        if self.metrics is None:
+            return res
+        self.metrics.close()
+        flops_model = self.model if self.par.world_size == 1 else LM(self.run_cfg.model)
+        res.flops_per_token = forward_flops_per_token(flops_model, self.cfg.seq_len,
+                                                      self.par.device if self.par.world_size == 1 else "cpu")
+        summary = {"preset": self.run_cfg.name, "step": st.step, "params": res.params,
+                   "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
+                   "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.par.summary()}
+        (self.run_dir / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        return res

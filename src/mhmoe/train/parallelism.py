@@ -1,0 +1,86 @@
+"""How a training run is spread over processes, as the trainer sees it.
+
+The trainer (:mod:`mhmoe.train.loop`) calls only the methods of :class:`SingleProcess`; a torchrun
+launch passes :class:`mhmoe.parallel.launch.Distributed` instead, which implements them with
+collectives (DDP / FSDP2, expert parallelism, sharded DCP checkpoints). Parallelism is applied from
+outside: nothing in ``mhmoe.train`` imports ``mhmoe.parallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mhmoe.config.run import RunConfig
+from mhmoe.data.tokenizer_base import Tokenizer
+from mhmoe.model.lm import LM
+from mhmoe.train.checkpoint import Checkpoint, load_latest, save_checkpoint
+
+
+class SingleProcess:
+    """One process on one device (the default)."""
+
+    rank = 0
+    world_size = 1
+    #: every rank must run every micro-step (collectives inside the forward/backward), even after a
+    #: non-finite loss; a single process stops the step at the first non-finite micro-batch instead
+    lockstep = False
+    #: a checkpoint can be written by this process alone (an interrupted sharded run cannot)
+    saves_alone = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op here)."""
+
+    def parallelize(self, model: LM) -> nn.Module:
+        """Move ``model`` to the device; return the module the training forward calls."""
+        return model.to(self.device)
+
+    def micro_step(self, last: bool) -> AbstractContextManager:
+        """Context of one micro-step's forward and backward (``last``: gradients are reduced)."""
+        return contextlib.nullcontext()
+
+    def finish_grads(self, model: LM, max_norm: float, finite: bool) -> Tensor | None:
+        """Reduce the step's gradients and clip them to ``max_norm``; return the global gradient norm
+        (None when this process already knows the step is non-finite)."""
+        if not finite:
+            return None
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Mean over ranks of a few floats (logged losses)."""
+        return values
+
+    def num_params(self, model: LM) -> int:
+        """Parameters of the whole model (all ranks' shards)."""
+        return model.num_params()
+
+    def load_checkpoint(self, run_dir: Path) -> Checkpoint:
+        """The newest valid checkpoint of ``run_dir`` to resume from."""
+        return load_latest(run_dir)
+
+    def restore(self, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load the optimizer state of ``ckpt`` (the model came with it); return its trainer state."""
+        optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
+        return ckpt.trainer_state
+
+    def save_checkpoint(self, run_dir: Path, step: int, model: LM, optimizer: torch.optim.Optimizer,
+                        run: RunConfig, tokenizer: Tokenizer, state: dict[str, Any], keep_last: int) -> None:
+        """Write checkpoint ``step`` (``state``: the trainer state without the optimizer)."""
+        save_checkpoint(run_dir, step, model, run, tokenizer, {**state, "optimizer": optimizer.state_dict()},
+                        keep_last)
+
+    def summary(self) -> dict[str, Any]:
+        """Extra fields of results.json describing the parallel layout."""
+        return {}
