@@ -3,21 +3,70 @@
 Layers, bottom up (each imports only the ones below it; docs/ARCHITECTURE.md):
 ``config`` (dataclasses, planner, presets) -> ``quant`` -> ``moe`` (layers, routers, dispatch) ->
 ``model`` / ``data`` -> ``train`` -> ``parallel`` -> ``research`` / ``integrations`` -> ``cli``.
+
+The names below are loaded on first use, so ``import mhmoe.config`` (pure Python) does not import torch.
 """
 
-from mhmoe.config.moe import MoEConfig
-from mhmoe.config.planner import Plan, count_layer, plan
-from mhmoe.errors import CheckpointError, ConfigError, DataError
-from mhmoe.moe.experts import DenseFFN, GroupedExperts, SharedExperts
-from mhmoe.moe.layers import DenseLayer, FFNOutput, MHMoELayer, MoELayer, RoutingStats, build_ffn_layer
-from mhmoe.moe.losses import entropy_loss, load_balancing_loss, router_z_loss
-from mhmoe.moe.routers import RouterOutput, build_router
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError", "ConfigError", "DataError", "DenseFFN", "DenseLayer", "FFNOutput", "GroupedExperts",
-    "MHMoELayer", "MoEConfig", "MoELayer", "Plan", "RouterOutput", "RoutingStats", "SharedExperts",
-    "build_ffn_layer", "build_router", "count_layer", "entropy_loss", "load_balancing_loss", "plan",
-    "router_z_loss",
-]
+_EXPORTS = {
+    "mhmoe.errors": ("CheckpointError", "ConfigError", "DataError"),
+    "mhmoe.config": ("DataConfig", "ModelConfig", "MoEConfig", "Plan", "RunConfig", "TrainConfig", "count_layer",
+                     "get_preset", "plan", "preset_names"),
+    "mhmoe.moe": ("DenseFFN", "DenseLayer", "FFNOutput", "GroupedExperts", "MHMoELayer", "MoELayer", "RouterOutput",
+                  "RoutingStats", "SharedExperts", "build_ffn_layer", "build_router", "entropy_loss",
+                  "load_balancing_loss", "router_z_loss"),
+    "mhmoe.model": ("LM", "LMOutput", "generate"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mhmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # static analysers see the real names
+    from mhmoe.config import (
+        DataConfig,
+        ModelConfig,
+        MoEConfig,
+        Plan,
+        RunConfig,
+        TrainConfig,
+        count_layer,
+        get_preset,
+        plan,
+        preset_names,
+    )
+    from mhmoe.errors import CheckpointError, ConfigError, DataError
+    from mhmoe.model import LM, LMOutput, generate
+    from mhmoe.moe import (
+        DenseFFN,
+        DenseLayer,
+        FFNOutput,
+        GroupedExperts,
+        MHMoELayer,
+        MoELayer,
+        RouterOutput,
+        RoutingStats,
+        SharedExperts,
+        build_ffn_layer,
+        build_router,
+        entropy_loss,
+        load_balancing_loss,
+        router_z_loss,
+    )

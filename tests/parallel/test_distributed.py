@@ -149,7 +149,7 @@ SLOW_CASES = {  # 4 processes, dp x ep = 2 x 2: 4 experts per rank, FSDP2 shards
 
 
 def _case_run(root: Path, name: str, **override):
-    from test_train import MHMOE, tiny_run
+    from helpers import MHMOE, tiny_run
 
     moe, extra = {**TRAIN_CASES, **SLOW_CASES}[name]
     return tiny_run(root, MHMOE if moe == "MHMOE" else moe, **{**extra, **override})
@@ -181,7 +181,7 @@ def _union_sampler(monkeypatch, world: int = WORLD) -> None:
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory):
     """The three 2-process training runs (one spawn)."""
-    from test_train import write_corpus
+    from helpers import write_corpus
 
     from mhmoe.train.loop import train
 
@@ -372,7 +372,7 @@ def _dp_ep_worker(rank: int, world: int, root: str) -> None:
 def test_dp2_x_ep2_matches_single_process(tmp_path, monkeypatch):
     """4 ranks on the ("dp", "ep") = (2, 2) mesh: 4 experts per rank, replicated (DDP) or sharded (FSDP2)
     over the 2 dp ranks; the loss curve equals one process on the union of the 4 ranks' batches."""
-    from test_train import write_corpus
+    from helpers import write_corpus
 
     from mhmoe.train.loop import train
 

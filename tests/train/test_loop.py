@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import DENSE, MHMOE, NOISY_MH, SMOE, losses, records, tiny_run  # noqa: E402
 
-from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.run import RunConfig
@@ -25,48 +24,7 @@ from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import train
 from mhmoe.train.optim import build_optimizer
 
-DENSE = MoEConfig(kind="dense", d_expert=64)
-SMOE = MoEConfig(n_experts=4, top_k=1, d_expert=64)
-MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
-NOISY_MH = MoEConfig(n_experts=6, top_k=2, d_expert=16, heads=3, head_layer=True, merge_layer=True, router="noisy")
-WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
-
-
-def write_corpus(root: Path, n_docs: int = 12, n_words: int = 250) -> Path:
-    """A directory of small text files (one document each), deterministic."""
-    rng = random.Random(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(n_docs):
-        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n")
-    return root
-
-
-def tiny_run(tmp_path: Path, moe: MoEConfig = MHMOE, **train_kw) -> RunConfig:
-    corpus = tmp_path / "corpus"
-    if not corpus.exists():
-        write_corpus(corpus)
-    t = dict(max_steps=6, batch_size=4, seq_len=32, log_every=1, eval_batches=2, warmup_steps=2, lr=1e-3,
-             dtype="float32", device="cpu", threads=1)
-    t.update(train_kw)
-    return RunConfig(
-        name="tiny-test",
-        model=ModelConfig(vocab_size=0, d_model=48, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64, moe=moe),
-        train=TrainConfig(**t),
-        data=DataConfig(corpus=str(corpus), tokenizer="byte", val_sets=(), val_tokens=512,
-                        cache_dir=str(tmp_path / "cache")),
-    )
-
-
-def records(run_dir: Path, file: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(ln) for ln in (Path(run_dir) / file).read_text().splitlines() if ln.strip()]
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in records(run_dir)]
-
-
-# ---- overfitting ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("moe", [DENSE, SMOE, MHMOE], ids=["dense", "smoe", "mhmoe"])
 def test_tiny_model_overfits_one_batch(moe):
     """Repeated AdamW steps on one fixed batch of random tokens: loss from ~log(64) to < 0.25 nats."""

@@ -272,7 +272,7 @@ def test_compare_two_tiny_presets(setup, tmp_path, capsys):
 def test_train_throughput_benchmark_smoke(tmp_path, capsys):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_throughput.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
     spec = importlib.util.spec_from_file_location("train_throughput", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,0 +1,163 @@
+"""The package layout: every folder is one layer, dependencies point one way, no import circles.
+
+Layers, bottom up (docs/ARCHITECTURE.md): errors/runtime -> config -> quant -> moe -> model, data ->
+train -> parallel -> research, integrations -> cli. A module may import its own package and lower
+layers only; siblings of one layer (model/data, research/integrations) do not import each other.
+Function-level (lazy) imports count exactly like module-level ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "mhmoe"
+LAYERS = [
+    ("errors",), ("runtime",), ("config",), ("quant",), ("moe",), ("model", "data"), ("train",), ("parallel",),
+    ("research", "integrations"), ("cli",),
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+TOP = {"mhmoe", "mhmoe.__main__"}  # the public API and `python -m mhmoe` may import anything
+OPTIONAL = {"mhmoe.integrations.hf": "transformers", "mhmoe.integrations.lmeval": "lm_eval"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every mhmoe module ``path`` imports, at any depth (``from a.b import c`` is ``a.b.c`` when that is a
+    module, else ``a.b``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "mhmoe"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "mhmoe":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else node.module)
+    return out
+
+
+GRAPH = {m: imported_modules(p) - {m} for m, p in MODULES.items()}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_module_is_in_a_layer():
+    unknown = sorted(m for m in MODULES if m not in TOP and layer(m) not in RANK)
+    assert not unknown, f"modules outside the layer map (add them to LAYERS and docs/ARCHITECTURE.md): {unknown}"
+
+
+def test_dependencies_point_down():
+    bad = []
+    for mod, targets in GRAPH.items():
+        if mod in TOP:
+            continue
+        for t in targets:
+            if t == "mhmoe":
+                bad.append(f"{mod} -> mhmoe (the public API is for users; import the defining module)")
+            elif layer(t) != layer(mod) and RANK[layer(t)] >= RANK[layer(mod)]:
+                bad.append(f"{mod} ({layer(mod)}) -> {t} ({layer(t)})")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert _cycles(GRAPH) == []
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    planted = {**GRAPH, "mhmoe.moe.routers": GRAPH["mhmoe.moe.routers"] | {"mhmoe.moe.layers"}}
+    assert any("mhmoe.moe.routers" in c and "mhmoe.moe.layers" in c for c in _cycles(planted))
+
+
+def test_layering_check_sees_lazy_imports(tmp_path):
+    lazy = tmp_path / "m.py"
+    lazy.write_text("def f():\n    from mhmoe.train.loop import train\n    return train\n")
+    assert "mhmoe.train.loop" in imported_modules(lazy)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    """Import every module in one fresh interpreter (order-independent because the graph is acyclic)."""
+    skip = {m for m in MODULES for pkg, dep in OPTIONAL.items()
+            if m.startswith(pkg) and importlib.util.find_spec(dep) is None}
+    mods = [m for m in sorted(MODULES) if m not in skip and m != "mhmoe.__main__"]
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    res = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("package", ["mhmoe.config", "mhmoe.moe", "mhmoe.model", "mhmoe.train"])
+def test_lower_layers_import_without_the_upper_ones(package):
+    """Importing a layer loads nothing from the layers above it."""
+    code = (f"import sys, importlib\nimportlib.import_module({package!r})\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('mhmoe.')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    loaded = {layer(m) for m in res.stdout.split()}
+    above = {lay for lay in loaded if RANK[lay] > RANK[layer(package)]}
+    assert not above, f"importing {package} loaded {sorted(above)}"
+
+
+def test_config_layer_is_pure_python():
+    """Configs, the planner and the presets load without torch (e.g. for tooling and quick planning)."""
+    code = "import sys, mhmoe.config, mhmoe\nmhmoe.plan\nprint('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]
+
+
+def test_public_api_names_resolve():
+    import mhmoe
+
+    missing = [n for n in mhmoe.__all__ if getattr(mhmoe, n, None) is None]
+    assert not missing and "LM" in dir(mhmoe)
