@@ -1,4 +1,4 @@
-"""Op-level timings behind the dispatch choices of :mod:`mhmoe.fused` and :mod:`mhmoe.dispatch`.
+"""Op-level timings behind the dispatch choices of :mod:`mhmoe.moe.dispatch.fused` and :mod:`mhmoe.moe.dispatch`.
 
 At MH-MoE h=3 shapes (4,096 tokens -> S=12,288 sub-tokens of 256, top-3 over 96 experts:
 36,864 routed rows), median of 20 after warm-up, 2 threads by default:
@@ -7,7 +7,7 @@ At MH-MoE h=3 shapes (4,096 tokens -> S=12,288 sub-tokens of 256, top-3 over 96 
 - combine ``out[s] = sum_k w[s,k] * y[slot(s,k)]``: gather + ``bmm`` (session 3's ``fused``),
   scatter + weighted sum (session 3's ``sorted``), and one ``F.embedding_bag`` with
   ``per_sample_weights`` -- forward only, and forward + backward through autograd;
-- SwiGLU backward on one expert block [384, 512]: the 5 ATen ops of :mod:`mhmoe.fused` vs one
+- SwiGLU backward on one expert block [384, 512]: the 5 ATen ops of :mod:`mhmoe.moe.dispatch.fused` vs one
   ``torch.compile``d kernel (``--compile``; its compile time is printed).
 
     python benchmarks/dispatch_ops.py [--threads 2] [--compile] [--json PATH]
@@ -39,7 +39,7 @@ def routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def swiglu_backward_eager(a1: torch.Tensor, a3: torch.Tensor, da: torch.Tensor):
-    """As in mhmoe.fused: returns (act, dh1, dh3); ``da`` is overwritten."""
+    """As in mhmoe.moe.dispatch.fused: returns (act, dh1, dh3); ``da`` is overwritten."""
     act = F.silu(a1)
     dh3 = da * act
     act.mul_(a3)

@@ -7,7 +7,7 @@ For each config of `mhmoe bench moe` (d=768, 4,096 tokens) and dtype, times forw
 - ``no_experts``: the same layer with the expert computation replaced by a weighted identity
   (head/merge projections + router + aux losses + reshapes);
 - ``head_merge``: the head and merge projections alone (MH-MoE only);
-- ``experts``: the dispatched experts alone (:func:`mhmoe.fused.fused_moe` on balanced routing:
+- ``experts``: the dispatched experts alone (:func:`mhmoe.moe.dispatch.fused.fused_moe` on balanced routing:
   gathers, expert GEMMs, SwiGLU, combine);
 - ``expert_gemms``: only the expert GEMMs of ``experts`` (3 forward + 6 backward per expert, same
   rows, same expert threads) -- the floor for ``experts``.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate the shipped offline lm-eval tasks (src/mhmoe/tasks/) from the KJV held-out split.
+"""Regenerate the shipped offline lm-eval tasks (src/mhmoe/integrations/tasks/) from the KJV held-out split.
 
     python scripts/make_lmeval_tasks.py [OUT_DIR] [--absolute]      # same as `mhmoe make-tasks`
 """

@@ -1,4 +1,4 @@
-"""Named run presets. Every MoE preset is sized by the parity planner (:mod:`mhmoe.planner`), so
+"""Named run presets. Every MoE preset is sized by the parity planner (:mod:`mhmoe.config.planner`), so
 its FLOPs and parameters match the SMoE baseline of its family within 1%.
 
 Families (``paper-*`` = the v2 paper's 12-layer d=768 architecture; ``tiny-*`` = the same family

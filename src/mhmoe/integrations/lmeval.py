@@ -5,7 +5,7 @@ transformers hub machinery, so the harness runs fully offline::
 
     mhmoe eval --checkpoint runs/x --tasks mhmoe_kjv_cloze,mhmoe_kjv_ppl
 
-    import lm_eval, mhmoe.lmeval                      # the import registers the backend
+    import lm_eval, mhmoe.integrations.lmeval      # the import registers the backend
     lm_eval.simple_evaluate(model="mhmoe", model_args={"checkpoint": "runs/x"}, tasks=[...])
 
 (the ``lm_eval`` command line cannot import third-party backends; use the Python API or ``mhmoe eval``).
@@ -19,7 +19,7 @@ Scoring (shapes: B batch, T <= max_seq_len, V vocabulary):
   log-softmax logits [B, T, V] are gathered at the continuation positions.
 - ``loglikelihood_rolling``: every token of the text is predicted once, in disjoint rolling windows
   of ``max_seq_len`` tokens (the first window conditions on EOS), scored like ``loglikelihood``.
-- ``generate_until``: :func:`mhmoe.generate.generate` (KV cache) one request at a time, context
+- ``generate_until``: :func:`mhmoe.model.generate.generate` (KV cache) one request at a time, context
   left-truncated to leave room for ``max_gen_toks``; greedy unless ``do_sample``/``temperature`` ask
   otherwise; the text is cut at the first stop string.
 

@@ -81,7 +81,7 @@ class GroupedExperts(nn.Module):
         self.quant = quant
         self.sub_norm = nn.Parameter(torch.ones(n_experts, d_hidden)) if self.quantized else None
         self.prequantized = False  # weights already ternary x gamma (packed export loader)
-        self.reduce_gamma: ReduceGamma | None = None  # sharded training hook, see mhmoe.bitnet
+        self.reduce_gamma: ReduceGamma | None = None  # sharded training hook, see mhmoe.quant.bitnet
         self.init_std = init_std
         self.reset_parameters()
 

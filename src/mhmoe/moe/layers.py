@@ -133,7 +133,7 @@ class MoELayer(nn.Module):
 
     def dispatch(self, xs: Tensor, route: RouterOutput) -> Tensor:
         """Routed expert output xs [S, d_in] -> [S, d_in] (the ``cfg.impl`` path; expert parallelism
-        overrides this, see :mod:`mhmoe.distributed.expert_parallel`)."""
+        overrides this, see :mod:`mhmoe.parallel.expert_parallel`)."""
         return choose_impl(self.cfg.impl, xs, self.experts)(xs, route, self.experts)
 
     def routing_stats(self, route: RouterOutput, chosen: Tensor, losses: dict[str, Tensor]) -> RoutingStats:

@@ -2,7 +2,7 @@
 
 This is what HF-eager / litgpt-style MoE code does: for each expert, find the (token, slot) pairs
 routed to it, run the expert on those tokens and add the weighted result back. Every fast path in
-:mod:`mhmoe.dispatch` is tested against it (outputs and gradients).
+:mod:`mhmoe.moe.dispatch` is tested against it (outputs and gradients).
 
 Shape legend: S tokens, K slots, E experts, D_in expert width.
 """

@@ -13,13 +13,13 @@ tensor and the gradient w.r.t. the input is the identity; the scales (gamma, 127
 computed from detached values, so no gradient flows through them. We write the STE as
 ``q + (x - x.detach())`` rather than ``x + (q - x).detach()``: same gradient, but the forward value
 is *bit-exactly* ``q`` (``x - x.detach()`` is exactly zero), so a model loaded from the packed
-ternary export computes the same logits as the fake-quantized model (mhmoe.bitnet_export).
+ternary export computes the same logits as the fake-quantized model (mhmoe.integrations.bitnet_packed).
 
 Sharded training (a later issue): gamma must be the mean over the *full* matrix, not over a local
 shard. Every quantizer takes ``reduce_gamma``: a callable that receives the local statistics
 ``stats`` [2, *gamma_shape] (``stats[0]`` = sum|W| over ``dims``, ``stats[1]`` = element count) and
 returns them summed over the shards (e.g. ``lambda t: (dist.all_reduce(t), t)[1]``). gamma is then
-``stats[0] / stats[1]``. :class:`BitLinear` and :class:`mhmoe.experts.GroupedExperts` hold a
+``stats[0] / stats[1]``. :class:`BitLinear` and :class:`mhmoe.moe.experts.GroupedExperts` hold a
 ``reduce_gamma`` attribute (default None = unsharded) that a parallelism wrapper can set.
 """
 
@@ -100,7 +100,7 @@ class BitLinear(nn.Linear):
 
     No bias by default (the BitNet recipe); a bias, when asked for, stays full precision and is
     added after the quantized product. ``prequantized=True`` (set by the packed loader,
-    :func:`mhmoe.bitnet_export.load_packed`) uses the weight as stored -- it already is ternary x
+    :func:`mhmoe.integrations.bitnet_packed.load_packed`) uses the weight as stored -- it already is ternary x
     gamma -- while activations are still quantized. ``reduce_gamma``: see the module docstring.
     """
 

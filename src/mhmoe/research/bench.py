@@ -205,7 +205,7 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
                   with_loop: bool = True, progress: Callable[[str], None] | None = None,
                   peers: tuple[str, ...] = (), input_grad: bool = True) -> dict:
-    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.bench_peers.installed_peers`."""
+    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.research.bench_peers.installed_peers`."""
     dev = torch.device(device)
     rows: list[dict] = []
     for name in configs:

@@ -57,7 +57,7 @@ def _index_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, s
 
 
 def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "cpu") -> Checkpoint:
-    """A DCP checkpoint as a single-process :class:`~mhmoe.checkpoint.Checkpoint` (full model; the
+    """A DCP checkpoint as a single-process :class:`~mhmoe.train.checkpoint.Checkpoint` (full model; the
     trainer state carries the optimizer state in ``optimizer.state_dict()`` form)."""
     path = Path(path)
     try:

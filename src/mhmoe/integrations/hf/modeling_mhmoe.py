@@ -13,10 +13,10 @@ so weights, routing and BitNet b1.58 fake quantization are exactly those of trai
   offset does not change its logits (up to float rounding of the masked attention path).
 
 Sampling with ``generate(do_sample=True, temperature=t, top_k=k)`` draws the same tokens as
-:func:`mhmoe.generate.generate` seeded with the same seed (both call ``torch.multinomial`` once per
+:func:`mhmoe.model.generate.generate` seeded with the same seed (both call ``torch.multinomial`` once per
 step on bit-identical probabilities; transformers uses the global generator, so seed it with
 ``torch.manual_seed(seed)``). transformers' top-p warper cuts the nucleus with a different (but
-mathematically equivalent except at exact ties) rule than :func:`mhmoe.generate.filter_logits`, and
+mathematically equivalent except at exact ties) rule than :func:`mhmoe.model.generate.filter_logits`, and
 custom processors run after transformers' temperature warper; for our exact step pass
 ``logits_processor=[MHMoESamplingFilter(t, k, p)]`` with ``temperature=1.0, top_k=0, top_p=1.0``.
 """
@@ -64,7 +64,7 @@ class CacheView:
 
 
 class MHMoESamplingFilter(LogitsProcessor):
-    """Our temperature + top-k + nucleus step (:func:`mhmoe.generate.filter_logits` on logits / t) as a
+    """Our temperature + top-k + nucleus step (:func:`mhmoe.model.generate.filter_logits` on logits / t) as a
     transformers logits processor; use it with ``temperature=1.0, top_k=0, top_p=1.0`` so that no
     transformers warper runs before or after it (custom processors run after the built-in ones)."""
 
