@@ -52,7 +52,7 @@ DPKG_INFO = Path("/var/lib/dpkg/info")
 MAN_ROOT = Path("/usr/share/man")
 MANDOC_OPTIONS: tuple[str, ...] = ("-T", "utf8", "-O", "width=1000,indent=2")
 # Bump when the rendering or clean-up rules change (part of the cache key).
-RENDER_VERSION = 3
+RENDER_VERSION = 4
 CACHE_FORMAT = 1
 # Per-language cap on the UTF-8 bytes of training documents in the combined ``manpages`` corpus.
 # Bytes rather than characters: a CJK character is 3 bytes and roughly one cl100k token, a Latin
@@ -69,6 +69,9 @@ TABLE_PAD = "    "
 MIN_ZLIB_RATIO = 0.1
 _SECTION_DIR = re.compile(r"^man[0-9][0-9a-z]*$")
 INSTALL_MANDOC = "apt-get install -y mandoc"
+# In-process memo of loaded languages by cache file (content-addressed, so never stale): prepare_data
+# loads ``manpages`` and then each ``man-XX`` validation set.
+_MEMO: dict[Path, tuple[Document, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -237,12 +240,18 @@ def roff_to_text(roff: bytes, *, boilerplate: Sequence[str] = (), mandoc: str | 
     return clean_rendered(render_roff(roff, exe), boilerplate)
 
 
-def _read_page(path: Path) -> bytes:
+def _read_file(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
-        return gzip.decompress(data) if path.suffix == ".gz" else data
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read man page ({e.strerror})") from None
+
+
+def _gunzip(data: bytes, where: str) -> bytes:
+    try:
+        return gzip.decompress(data)
     except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read man page ({e})") from None
+        raise DataError(f"{where}: corrupt gzip data ({e})") from None
 
 
 def _file_sha256(path: str) -> str:
@@ -282,7 +291,8 @@ def _read_cache(path: Path) -> list[Document] | None:
 
 def _render_all(lang: ManLanguage, pages: Sequence[tuple[str, bytes]], mandoc: str) -> list[Document]:
     def one(item: tuple[str, bytes]) -> Document | None:
-        key, roff = item
+        key, raw = item
+        roff = _gunzip(raw, f"{lang.corpus_name}:{key}")
         if is_so_stub(roff):
             return None
         text = clean_rendered(render_roff(roff, mandoc, f"{lang.corpus_name}:{key}"), lang.boilerplate)
@@ -314,17 +324,18 @@ def load_man_documents(
     files = man_files(lang, info_dir)
     if not files:
         raise DataError(f"corpus {lang.corpus_name!r}: packages {', '.join(lang.packages)} list no man pages")
-    pages = [(key, _read_page(path)) for key, path in files]
+    pages = [(key, _read_file(path)) for key, path in files]  # gzipped; the key hashes these bytes
     cache = default_cache_dir(cache_dir) / "corpora" / "manpages" / f"{lang.code}-{_cache_key(lang, pages, mandoc)}"
     cache = cache.with_suffix(".jsonl.gz")
-    docs = _read_cache(cache)
+    docs = _MEMO.get(cache) or _read_cache(cache)
     if docs is None:
         docs = _render_all(lang, pages, mandoc)
         if not docs:
             raise DataError(f"corpus {lang.corpus_name!r}: no text rendered from {len(pages)} pages")
         body = "".join(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n" for d in docs)
         atomic_write_bytes(cache, gzip.compress(body.encode("utf-8"), compresslevel=6, mtime=0))
-    return docs
+    _MEMO[cache] = docs = tuple(docs)
+    return list(docs)
 
 
 def _key_of(doc_id: str) -> str:
