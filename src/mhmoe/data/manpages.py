@@ -141,9 +141,10 @@ def find_mandoc() -> str | None:
     return shutil.which("mandoc")
 
 
-def missing_packages(langs: Iterable[ManLanguage], info_dir: Path = DPKG_INFO) -> list[str]:
+def missing_packages(langs: Iterable[ManLanguage], info_dir: Path | None = None) -> list[str]:
     """The packages of ``langs`` whose dpkg file list is absent (i.e. not installed)."""
-    return [p for lang in langs for p in lang.packages if not (info_dir / f"{p}.list").is_file()]
+    info = info_dir or DPKG_INFO
+    return [p for lang in langs for p in lang.packages if not (info / f"{p}.list").is_file()]
 
 
 def page_key(lang: ManLanguage, path: Path) -> str | None:
@@ -157,14 +158,14 @@ def page_key(lang: ManLanguage, path: Path) -> str | None:
     return f"{rel.parts[0]}/{rel.name.removesuffix('.gz')}"
 
 
-def man_files(lang: ManLanguage, info_dir: Path = DPKG_INFO) -> list[tuple[str, Path]]:
+def man_files(lang: ManLanguage, info_dir: Path | None = None) -> list[tuple[str, Path]]:
     """``(page key, path)`` of the language's pages owned by its packages, sorted by key.
 
     Symbolic links (alias pages) are skipped; a page listed by two packages is taken once.
     """
     found: dict[str, Path] = {}
     for pkg in lang.packages:
-        listing = info_dir / f"{pkg}.list"
+        listing = (info_dir or DPKG_INFO) / f"{pkg}.list"
         try:
             lines = listing.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
         except OSError as e:
@@ -310,7 +311,7 @@ def man_page_splits(keys: Sequence[str]) -> dict[str, str]:
 
 
 def load_man_documents(
-    lang: ManLanguage, *, info_dir: Path = DPKG_INFO, cache_dir: str | os.PathLike[str] = ""
+    lang: ManLanguage, *, info_dir: Path | None = None, cache_dir: str | os.PathLike[str] = ""
 ) -> list[Document]:
     """The rendered pages of ``lang``, from the cache if it matches, else rendered and cached."""
     missing = missing_packages([lang], info_dir)
@@ -342,9 +343,9 @@ def _key_of(doc_id: str) -> str:
     return doc_id.split("/", 1)[1]
 
 
-def load_man_language(code: str, *, info_dir: Path = DPKG_INFO, cache_dir: str | os.PathLike[str] = "") -> Corpus:
+def load_man_language(code: str, *, info_dir: Path | None = None, cache_dir: str | os.PathLike[str] = "") -> Corpus:
     """Registry corpus ``man-<code>``: every page of one language, split by page key."""
-    lang = MAN_LANGUAGES.get(code)
+    lang = MAN_LANGUAGES.get(code)  # looked up at call time (tests substitute languages)
     if lang is None:
         raise DataError(f"man page language {code!r}: unknown, expected one of {', '.join(MAN_LANGUAGES)}")
     return language_corpus(lang, load_man_documents(lang, info_dir=info_dir, cache_dir=cache_dir))
@@ -387,17 +388,18 @@ def combine(corpora: Sequence[Corpus], *, name: str = "manpages", cap_bytes: int
 
 
 def load_manpages(
-    langs: Sequence[str] = MANPAGES_LANGS,
+    langs: Sequence[str] | None = None,
     *,
     cap_bytes: int | None = MANPAGES_TRAIN_CAP_BYTES,
-    info_dir: Path = DPKG_INFO,
+    info_dir: Path | None = None,
     cache_dir: str | os.PathLike[str] = "",
 ) -> Corpus:
-    """Registry corpus ``manpages``: all ``langs``, train splits capped at ``cap_bytes`` each.
+    """Registry corpus ``manpages``: ``langs`` (default all), train splits capped at ``cap_bytes`` each.
 
     Every language must be installed (a partial mix would silently change the corpus): otherwise
     :class:`~mhmoe.data.corpora.CorpusUnavailableError` lists the missing packages.
     """
+    langs = MANPAGES_LANGS if langs is None else tuple(langs)
     chosen = [MAN_LANGUAGES[c] for c in langs]
     missing = missing_packages(chosen, info_dir)
     if missing or find_mandoc() is None:
