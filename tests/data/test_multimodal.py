@@ -231,3 +231,17 @@ def test_emoji_render_small_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (s.images[:, 0, 0] >= 250).all()  # white background
     cached = img.load_emoji_images(cache_dir=tmp_path)
     assert np.array_equal(cached.images, s.images)
+
+
+def test_prepare_multimodal_with_user_text(tmp_path: Path) -> None:
+    from mhmoe.data.multimodal import MultimodalConfig, prepare_multimodal
+
+    text = tmp_path / "story.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}. " + "The quick brown fox jumps. " * 30 for i in range(60)))
+    cfg = MultimodalConfig(image_set="digits", codebook_size=16, text_corpus=str(text), cache_dir=str(tmp_path / "c"))
+    data = prepare_multimodal(cfg)
+    info = data.describe()
+    assert info["codebook_size"] == 16 and info["grid"] == [4, 4] and info["vocab_size"] == 257 + 16 + 4
+    assert data.captions[7] == list(b"seven") and info["captions_real"] is False
+    b = data.get_batch(0, batch_size=3)
+    assert b.input_ids.shape == (3, data.seq_len) and int(b.input_ids.max()) < data.vocab.size

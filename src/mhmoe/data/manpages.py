@@ -323,8 +323,11 @@ def load_man_documents(
     if mandoc is None:
         raise _unavailable(f"corpus {lang.corpus_name!r}: mandoc not installed: {lang.install}")
     files = man_files(lang, info_dir)
-    if not files:
-        raise DataError(f"corpus {lang.corpus_name!r}: packages {', '.join(lang.packages)} list no man pages")
+    if not files:  # e.g. a minimal image whose dpkg config excludes /usr/share/man (path-exclude)
+        raise _unavailable(
+            f"corpus {lang.corpus_name!r}: packages {', '.join(lang.packages)} are installed but none of their "
+            f"man pages is on disk (dpkg path-exclude?): {lang.install} after removing the exclusion"
+        )
     pages = [(key, _read_file(path)) for key, path in files]  # gzipped; the key hashes these bytes
     cache = default_cache_dir(cache_dir) / "corpora" / "manpages" / f"{lang.code}-{_cache_key(lang, pages, mandoc)}"
     cache = cache.with_suffix(".jsonl.gz")

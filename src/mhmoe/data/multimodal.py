@@ -274,6 +274,7 @@ class MaskedMultimodalData:
         self.text = {"train": text_train, "val": text_val}
         self.captions = [list(map(int, c))[:text_len] for c in captions]
         self.val_text_windows = val_text_windows
+        self._val_cache: dict[int, list[MultimodalBatch]] = {}
         self.grid = images.grid
         self.patch_size = images.patch
         self.split_images = {s: images.split_indices(s) for s in ("train", "val", "test")}
@@ -421,10 +422,13 @@ class MaskedMultimodalData:
     def iter_val_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[MultimodalBatch]:
         """The validation set in fixed order and fixed masks, ``batch_size`` examples per batch."""
         examples = self.val_examples()
+        cache = self._val_cache.setdefault(batch_size, [])  # fixed examples: build each batch once
         for b, start in enumerate(range(0, len(examples), batch_size)):
             if max_batches is not None and b >= max_batches:
                 return
-            yield collate([self.val_example(k, key) for _, k, key in examples[start : start + batch_size]])
+            if b == len(cache):
+                cache.append(collate([self.val_example(k, key) for _, k, key in examples[start : start + batch_size]]))
+            yield cache[b]
 
     def describe(self) -> dict[str, Any]:
         """Sizes for a manifest or a report."""
