@@ -362,13 +362,19 @@ def language_corpus(lang: ManLanguage, docs: Sequence[Document]) -> Corpus:
     return Corpus(name=lang.corpus_name, source=source, documents=tuple(docs), fixed_splits=fixed)
 
 
+def _split_table(corpus: Corpus) -> dict[str, str]:
+    """``doc id -> split`` of ``corpus`` (``Corpus.split_of`` is a linear scan)."""
+    return {d.id: name for name, docs in corpus.splits().items() for d in docs}
+
+
 def cap_train(docs: Sequence[Document], corpus: Corpus, cap_bytes: int) -> list[Document]:
     """``corpus``'s val/test documents plus its train documents up to ``cap_bytes`` UTF-8 bytes.
 
     Train documents are taken in order of :func:`doc_hash` of their id (a fixed pseudo-random
     order) while the budget lasts; kept documents stay in corpus order.
     """
-    train = [d for d in docs if corpus.split_of(d.id) == "train"]
+    split = _split_table(corpus)
+    train = [d for d in docs if split[d.id] == "train"]
     keep, used = set(), 0
     for d in sorted(train, key=lambda d: (doc_hash(d.id), d.id)):
         size = len(d.text.encode("utf-8"))
@@ -376,15 +382,15 @@ def cap_train(docs: Sequence[Document], corpus: Corpus, cap_bytes: int) -> list[
             continue
         keep.add(d.id)
         used += size
-    return [d for d in docs if corpus.split_of(d.id) != "train" or d.id in keep]
+    return [d for d in docs if split[d.id] != "train" or d.id in keep]
 
 
 def combine(corpora: Sequence[Corpus], *, name: str = "manpages", cap_bytes: int | None = None) -> Corpus:
     """Interleave language corpora (round-robin by document, so a prefix of any split mixes all
     languages) keeping every document's split; ``cap_bytes`` caps each language's train split."""
     lists = [cap_train(c.documents, c, cap_bytes) if cap_bytes else list(c.documents) for c in corpora]
-    fixed = {d.id: c.split_of(d.id) for c, docs in zip(corpora, lists, strict=True) for d in docs}
-    fixed = {k: v for k, v in fixed.items() if v != "train"}
+    tables = [_split_table(c) for c in corpora]
+    fixed = {d.id: t[d.id] for t, docs in zip(tables, lists, strict=True) for d in docs if t[d.id] != "train"}
     merged = [docs[i] for i in range(max(map(len, lists), default=0)) for docs in lists if i < len(docs)]
     source = "; ".join(c.source for c in corpora)
     return Corpus(name=name, source=source, documents=tuple(merged), fixed_splits=fixed)
