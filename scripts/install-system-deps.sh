@@ -22,6 +22,8 @@ if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
   exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
+# do not rebuild man-db's index for ~10,000 new pages (slow; `man -k` is not used here)
+echo "man-db man-db/auto-update boolean false" | debconf-set-selections 2>/dev/null || true
 apt-get install -y -qq --no-install-recommends $missing >/dev/null 2>&1 \
   || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $missing >/dev/null 2>&1; } \
   || echo "note: apt-get could not install$missing; the corpora that need them are unavailable" >&2
