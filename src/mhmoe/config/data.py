@@ -16,7 +16,7 @@ MAX_BPE_VOCAB = 1 << 20
 class DataConfig:
     """What to train and validate on; validated on construction (``ConfigError``)."""
 
-    corpus: str = "kjv"  # registry name (kjv, pydocs, wordnet) or a path (file, dir, .jsonl, .parquet)
+    corpus: str = "kjv"  # registry name (kjv, pydocs, wordnet, manpages, man-<lang>) or a path (file/dir/jsonl/parquet)
     jsonl_field: str = "text"  # text field of .jsonl rows / .parquet column
     tokenizer: str = "bpe"  # bpe | gpt2 | cl100k_base | byte
     vocab_size: int = 8192  # for bpe

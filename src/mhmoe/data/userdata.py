@@ -118,7 +118,7 @@ def load_parquet(path: Path, field: str = "text") -> Corpus:
 def load_path_corpus(path: Path, *, field: str = "text") -> Corpus:
     """Dispatch on what ``path`` is: directory, ``.jsonl``, ``.parquet`` or a text file."""
     if not path.exists():
-        raise DataError(f"{path}: no such file or directory (registry corpora: kjv, pydocs, wordnet)")
+        raise DataError(f"{path}: no such file or directory")
     if path.is_dir():
         return load_directory(path)
     if not path.is_file():
