@@ -17,6 +17,9 @@ hidden temporary directory that rank 0 renames into place after the metadata is 
 crash never leaves a half-written checkpoint under a real name (a shared filesystem is assumed
 across nodes). :func:`mhmoe.train.checkpoint.load_checkpoint` reads DCP checkpoints in one process
 (:mod:`mhmoe.train.dcp_reader`), so ``eval``, ``generate`` and a single-process ``train --resume`` accept them.
+
+Checkpoints are read only through :mod:`mhmoe.train.dcp_safe` (a restricted unpickler for ``.metadata``,
+``weights_only=True`` for every item): loading a checkpoint never executes code from it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -42,12 +46,14 @@ from mhmoe.train.checkpoint_format import (
     FORMAT_VERSION,
     PREFIX,
     Checkpoint,
+    first_line,
     list_checkpoints,
     model_is_finite,
     publish_checkpoint,
     verify_checkpoint,
 )
-from mhmoe.train.dcp_reader import DCP_DIR
+from mhmoe.train.dcp_reader import DCP_DIR, load_trainer_state
+from mhmoe.train.dcp_safe import SafeFileSystemReader
 from mhmoe.train.optim import build_optimizer
 
 CONVERT_DIR = ".dcp-resume"  # RUN/.dcp-resume/: a single-file checkpoint converted for a torchrun resume
@@ -153,17 +159,33 @@ def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     and optimizer, resharding as needed (a collective). Returns the trainer state (no optimizer)."""
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
+    reader = SafeFileSystemReader(path / DCP_DIR)
+    reader.read_metadata()  # refuse a crafted .metadata up front, with a one-line error (every rank reads it)
     sd = _state(model, optimizer, par)
-    dcp.load(sd, checkpoint_id=str(path / DCP_DIR), no_dist=not distributed)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
+            dcp.load(sd, storage_reader=reader, no_dist=not distributed)
+    except CheckpointException as exc:  # a BaseException listing every rank's failure: report one, in one line
+        raise _one_error(path, exc) from None
     _unwrap(sd, par)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    state = load_trainer_state(path)
     if path.parent.parent.name == CONVERT_DIR:  # a converted single-file checkpoint: done with it
         if distributed:
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
             shutil.rmtree(path.parent.parent, ignore_errors=True)
     return state
+
+
+def _one_error(path: Path, exc: CheckpointException) -> CheckpointError:
+    errors = [e for e, _ in exc.failures.values()]
+    for e in errors:
+        if isinstance(e, CheckpointError):
+            return e
+    first = errors[0] if errors else exc
+    return CheckpointError(f"{path}: cannot be loaded ({first.__class__.__name__}: {first_line(first)})")
 
 
 def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
@@ -174,6 +196,8 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
     for path in reversed(list_checkpoints(run_dir)):
         try:
             meta = verify_checkpoint(path)
+            if meta.get("format") == "dcp":  # a refused .metadata falls back like a corrupted checkpoint
+                SafeFileSystemReader(path / DCP_DIR).read_metadata()
         except CheckpointError as exc:
             errors.append(str(exc))
             continue

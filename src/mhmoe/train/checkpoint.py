@@ -5,13 +5,19 @@ Layout of one checkpoint (``RUN/checkpoints/step_00000600/``)::
     model.safetensors     weights (tied tensors stored once)
     config.yaml           the full RunConfig
     trainer_state.pt      optimizer, LR scheduler, RNG states, step, counters (tensors + plain data,
-                          loaded with ``weights_only=True``: nothing is unpickled)
+                          loaded with ``weights_only=True``: torch's allow-list unpickler builds
+                          tensors and plain values only, so no code from the file runs)
     tokenizer/            the tokenizer files (see mhmoe.data.Tokenizer.save)
     meta.json             step, format version and the sha256 of every file above (written last)
 
 Multi-process runs write sharded ``torch.distributed.checkpoint`` checkpoints instead (``dcp/`` in
 place of the safetensors and optimizer files, ``"format": "dcp"`` in meta.json); loading them here
 gathers the full model in one process (see :mod:`mhmoe.train.dcp_reader`).
+
+Checkpoints are downloaded and shared, so loading one never executes code from it (DCP metadata is
+read by the restricted unpickler of :mod:`mhmoe.train.dcp_safe`), and never reads outside its
+directory: meta.json's file names must be relative, without ``..``, and no symlink in the checkpoint
+may lead out of it.
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash never
 leaves a half-written checkpoint under a real name. Loading verifies sizes and hashes; a corrupted
@@ -39,6 +45,7 @@ from mhmoe.train.checkpoint_format import (
     FORMAT_VERSION,
     PREFIX,
     Checkpoint,
+    first_line,
     list_checkpoints,
     model_is_finite,
     publish_checkpoint,
@@ -91,7 +98,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
     except CheckpointError:
         raise
     except Exception as exc:  # corrupted content that passed the hash check (e.g. a foreign file)
-        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {first_line(exc)})") from None
     return Checkpoint(path, int(meta["step"]), run, model.to(device), tokenizer, state)
 
 
@@ -121,5 +128,5 @@ def load_latest(run_or_ckpt: str | Path, device: str | torch.device = "cpu", war
 
 __all__ = [
     "CKPT_DIR", "FORMAT_VERSION", "PREFIX", "Checkpoint", "list_checkpoints", "load_checkpoint", "load_latest",
-    "model_is_finite", "publish_checkpoint", "save_checkpoint", "verify_checkpoint",
+    "first_line", "model_is_finite", "publish_checkpoint", "save_checkpoint", "verify_checkpoint",
 ]

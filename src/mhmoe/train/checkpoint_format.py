@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -34,6 +34,12 @@ def _sha256(path: Path) -> str:
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "meta.json")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (CheckpointError messages are one line)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def model_is_finite(model: torch.nn.Module) -> bool:
@@ -62,8 +68,45 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def _resolves_inside(p: Path, root: Path) -> bool:
+    try:
+        return p.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
+def _inside(path: Path, name: Any) -> Path:
+    """``path / name`` for a file name taken from meta.json: relative, no ``..``, and (symlinks resolved)
+    inside the checkpoint directory; anything else raises CheckpointError (meta.json is checkpoint
+    content, as untrusted as the rest)."""
+    ok = (isinstance(name, str) and name.isprintable() and name.strip() != ""
+          and not PurePosixPath(name).is_absolute() and not PureWindowsPath(name).anchor
+          and ".." not in PurePosixPath(name.replace("\\", "/")).parts)
+    if not ok:
+        raise CheckpointError(f"{path}: meta.json names {name!r}, which is not a file inside the checkpoint")
+    f = path / name
+    if not _resolves_inside(f, path):
+        raise CheckpointError(f"{path}: {name!r} leads out of the checkpoint directory (symlink)")
+    return f
+
+
+def _check_links(path: Path) -> None:
+    """Refuse a checkpoint holding a symlink that resolves outside its directory (the loaders open
+    config.yaml, tokenizer/, ... by name, listed in meta.json or not)."""
+    root = path.resolve()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            if p.is_symlink() and not _resolves_inside(p, root):
+                raise CheckpointError(f"{path}: {str(p.relative_to(path))!r} is a symlink out of the checkpoint "
+                                      "directory")
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check meta.json, file sizes and hashes; return the meta dict or raise CheckpointError."""
+    """Check meta.json, file names, sizes and hashes; return the meta dict or raise CheckpointError.
+
+    File names in meta.json must stay inside the checkpoint directory (no absolute paths, no ``..``,
+    no symlink out of it)."""
     meta_path = path / "meta.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -78,8 +121,9 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         files = [(name, int(info["bytes"]), str(info["sha256"])) for name, info in meta["files"].items()]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: malformed meta.json ({exc.__class__.__name__}: {exc})") from None
+    _check_links(path)
     for name, size, sha in files:
-        f = path / name
+        f = _inside(path, name)
         if not f.is_file():
             raise CheckpointError(f"{path}: missing {name}")
         if f.stat().st_size != size:

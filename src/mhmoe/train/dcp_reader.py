@@ -1,5 +1,6 @@
 """Reading a sharded ``torch.distributed.checkpoint`` (DCP) checkpoint in one process, without a process
-group: ``eval``, ``generate`` and a single-process ``train --resume`` accept the checkpoints torchrun runs
+group, through the restricted reader of :mod:`mhmoe.train.dcp_safe` (loading never runs code from the
+checkpoint): ``eval``, ``generate`` and a single-process ``train --resume`` accept the checkpoints torchrun runs
 write (:mod:`mhmoe.parallel.checkpoint` writes them and loads them into sharded models).
 
 Layout: see :mod:`mhmoe.parallel.checkpoint`. The optimizer state is stored FQN-keyed; here it is
@@ -8,8 +9,6 @@ turned back into ``optimizer.state_dict()`` form for a single-process AdamW.
 
 from __future__ import annotations
 
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer import load_tokenizer
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint_format import Checkpoint
+from mhmoe.train.checkpoint_format import Checkpoint, first_line
+from mhmoe.train.dcp_safe import read_dcp_full as safe_read_dcp_full
 from mhmoe.train.optim import build_optimizer
 
 DCP_DIR = "dcp"
@@ -28,14 +28,24 @@ DCP_DIR = "dcp"
 
 def read_dcp_full(path: str | Path) -> dict[str, Any]:
     """All of a DCP checkpoint's tensors as full (unsharded) tensors, in this process (no process
-    group needed): ``{"model": {...}, "optim": {...}}``. Uses ``format_utils.dcp_to_torch_save``."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    group needed): ``{"model": {...}, "optim": {...}}``. Read with :func:`mhmoe.train.dcp_safe.read_dcp_full`
+    (restricted unpickling only)."""
+    full = safe_read_dcp_full(Path(path) / DCP_DIR)
+    if not isinstance(full.get("model"), dict) or not isinstance(full.get("optim"), dict):
+        raise CheckpointError(f"{path}: the DCP checkpoint holds no model and optimizer state")
+    return full
 
-    with tempfile.TemporaryDirectory(prefix="mhmoe-dcp-") as td, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
-        out = Path(td) / "full.pt"
-        dcp_to_torch_save(str(Path(path) / DCP_DIR), str(out))
-        return torch.load(out, map_location="cpu", weights_only=True)
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` with ``weights_only=True`` (tensors and plain values; nothing else is unpickled)."""
+    try:
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 -- UnpicklingError for a crafted file, OSError, ...
+        raise CheckpointError(f"{path}: trainer_state.pt cannot be loaded ({exc.__class__.__name__}: "
+                              f"{first_line(exc)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: trainer_state.pt is a {type(state).__name__}, not a dict")
+    return state
 
 
 def _index_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict:
@@ -68,11 +78,11 @@ def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "c
         if [m for m in missing if not m.startswith("rope_")] or unexpected:
             raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]})")
-        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        state = load_trainer_state(path)
         state["optimizer"] = _index_optimizer_state(model, build_optimizer(model, run.train), full["optim"])
         tokenizer = load_tokenizer(path / "tokenizer")
     except CheckpointError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {exc})") from None
+        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {first_line(exc)})") from None
     return Checkpoint(path, step, run, model.to(device), tokenizer, state)
