@@ -13,6 +13,18 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.moe.layers import build_ffn_layer
 
+# bf16 keeps 8 significant bits (unit roundoff u = 2**-8); a layer's outputs and gradients go through a few
+# roundings in sequence, so their error, measured as a norm relative to the tensor's norm (elementwise
+# tolerances break on the small entries, differently for every torch version), stays a small multiple of u
+BF16_REL = 8 * 2.0**-8  # ~3%
+
+
+def assert_close_in_norm(got, want, rel: float, name: str = "") -> None:
+    """||got - want|| <= rel * ||want|| (Frobenius norms, fp32)."""
+    got, want = got.detach().float(), want.detach().float()
+    err, ref = float((got - want).norm()), float(want.norm())
+    assert err <= rel * max(ref, 1e-12), f"{name}: relative error {err / max(ref, 1e-12):.4f} > {rel:.4f}"
+
 
 def oracle_pair(d_model: int, cfg: MoEConfig):
     """Two identical layers: one running ``cfg.impl`` and one the per-expert loop oracle."""

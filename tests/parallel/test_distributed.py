@@ -100,7 +100,7 @@ def _ep_worker(rank: int, world: int, names: list[str]) -> None:
         assert torch.equal(res.stats.counts, out.stats.counts), name
         assert res.stats.tokens == out.stats.tokens and res.stats.dropped == out.stats.dropped
         for k, v in out.stats.losses.items():
-            assert res.stats.losses[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, k)
+            assert float(res.stats.losses[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-7), (name, k)
         ref_params = dict(ref.named_parameters())
         E_l = layers[0].experts.n_experts
         n_expert = 0

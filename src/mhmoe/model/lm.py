@@ -213,12 +213,12 @@ class LM(nn.Module):
         return LMOutput(logits, loss, aux, routing, outputs if return_routing else None)
 
     @torch.no_grad()
-    def balance_step(self, routing: list[RoutingStats]) -> None:
-        """Aux-loss-free balancing: update each MoE router's selection bias from its counts
-        (call once per optimizer step with the step's summed counts)."""
+    def balance_step(self, routing: list[RoutingStats], apply: Tensor | None = None) -> None:
+        """Aux-loss-free balancing: update each MoE router's selection bias from its counts (call once
+        per optimizer step with the step's summed counts; ``apply`` a 0-dim bool, False = a skipped step)."""
         moe_routers = [m for m in self.modules() if hasattr(m, "update_bias")]
         for router, stats in zip(moe_routers, routing, strict=False):
-            router.update_bias(stats.counts)
+            router.update_bias(stats.counts, apply)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

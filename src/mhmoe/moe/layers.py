@@ -38,20 +38,27 @@ from mhmoe.quant.bitnet import QUANT_NONE, BitLinear, SubNorm
 
 @dataclass
 class RoutingStats:
-    """Detached per-layer routing statistics (for logging and analysis).
+    """Detached per-layer routing statistics, kept as device tensors (no host synchronisation in the
+    forward; read them at logging time).
 
-    counts: [E] assignments per expert (before drops); tokens: routed (sub-)tokens;
-    dropped: slots dropped by capacity; losses: unweighted aux losses (floats).
+    counts: [E] int64 assignments per expert (before drops); tokens: 0-dim int64 routed (sub-)tokens;
+    dropped: 0-dim int64 slots dropped by capacity; losses: unweighted aux losses (0-dim fp32).
     """
 
     counts: Tensor
-    tokens: int
-    dropped: int
-    losses: dict[str, float] = field(default_factory=dict)
+    tokens: Tensor
+    dropped: Tensor
+    losses: dict[str, Tensor] = field(default_factory=dict)
+
+    def __add__(self, other: RoutingStats) -> RoutingStats:
+        """Sum of two forwards' statistics (e.g. the micro-batches of one optimizer step)."""
+        losses = {k: self.losses[k] + other.losses[k] for k in self.losses}
+        return RoutingStats(self.counts + other.counts, self.tokens + other.tokens, self.dropped + other.dropped,
+                            losses)
 
     @property
     def load_imbalance(self) -> float:
-        """max / mean expert load (1.0 = perfectly balanced)."""
+        """max / mean expert load (1.0 = perfectly balanced). Reads the device (a host sync)."""
         c = self.counts.float()
         return float(c.max() / c.mean().clamp_min(1e-9)) if c.numel() else 1.0
 
@@ -104,8 +111,9 @@ class MoELayer(nn.Module):
         self.shared = (SharedExperts(d_in, cfg.n_shared, cfg.shared_width, cfg.ffn, cfg.expert_bias, cfg.init_std,
                                      cfg.quant) if shared and cfg.n_shared > 0 else None)
 
-    def capacity(self, n_tokens: int) -> int | None:
-        """Per-expert capacity for this forward (None = dropless). Expert choice handles its own."""
+    def capacity(self, n_tokens: Tensor) -> Tensor | None:
+        """Per-expert capacity for this forward, a 0-dim device tensor (None = dropless; no host sync).
+        ``n_tokens``: 0-dim count of routed (sub-)tokens. Expert choice handles its own."""
         cf = self.cfg.capacity_factor if self.training else self.cfg.eval_capacity_factor
         if cf is None or self.cfg.router == "expert_choice":
             return None
@@ -118,7 +126,7 @@ class MoELayer(nn.Module):
         tmask = None if mask is None else mask.reshape(-1).to(torch.bool)
         route = self.router(xs, tmask)
         chosen = route.valid
-        cap = self.capacity(int(route.token_mask.sum()))
+        cap = self.capacity(route.token_mask.sum())
         if cap is not None:
             route.valid = apply_capacity(route.experts, route.valid, cap, self.cfg.n_experts)
             route.weights = route.weights * route.valid
@@ -139,9 +147,8 @@ class MoELayer(nn.Module):
     def routing_stats(self, route: RouterOutput, chosen: Tensor, losses: dict[str, Tensor]) -> RoutingStats:
         """Detached statistics of this forward (``chosen`` = slots before capacity drops)."""
         return RoutingStats(
-            counts=route.counts.detach(), tokens=int(route.token_mask.sum()),
-            dropped=int((chosen & ~route.valid).sum()),
-            losses={k: float(v.detach()) for k, v in losses.items()},
+            counts=route.counts.detach(), tokens=route.token_mask.sum(), dropped=(chosen & ~route.valid).sum(),
+            losses={k: v.detach().float() for k, v in losses.items()},
         )
 
     def router_losses(self, route: RouterOutput, chosen: Tensor) -> dict[str, Tensor]:

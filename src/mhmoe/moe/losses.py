@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from mhmoe.moe.capacity import expert_counts
+
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x [S, ...] over rows where mask [S] is True (0 when no row is)."""
@@ -31,8 +33,7 @@ def load_balancing_loss(probs: Tensor, experts: Tensor, valid: Tensor, token_mas
         valid: [S, K] chosen slots (the choice before capacity drops). token_mask: [S].
     """
     E = probs.shape[-1]
-    sel = valid & token_mask[:, None]
-    counts = torch.bincount(experts[sel], minlength=E).to(probs.dtype)
+    counts = expert_counts(experts, E, valid & token_mask[:, None]).to(probs.dtype)
     f = counts / counts.sum().clamp_min(1.0)
     p = _masked_mean(probs, token_mask)
     return E * (f * p).sum()

@@ -10,7 +10,6 @@ whether the slot is used (padding, capacity drops and expert-choice's unpicked p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.capacity import expert_capacity, expert_counts
 
 
 @dataclass
@@ -48,8 +48,8 @@ class RouterOutput:
 
 
 def _counts(experts: Tensor, valid: Tensor, n_experts: int) -> Tensor:
-    """[E] number of valid (token, slot) pairs per expert."""
-    return torch.bincount(experts[valid], minlength=n_experts)
+    """[E] number of valid (token, slot) pairs per expert (no host sync)."""
+    return expert_counts(experts, n_experts, valid)
 
 
 class Router(nn.Module):
@@ -90,12 +90,14 @@ class Router(nn.Module):
                             token_mask)
 
     @torch.no_grad()
-    def update_bias(self, counts: Tensor) -> None:
-        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded."""
+    def update_bias(self, counts: Tensor, apply: Tensor | None = None) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower over-loaded.
+        ``apply`` (0-dim bool, optional): False leaves the bias unchanged, without a host sync."""
         if not self.aux_free:
             return
         load = counts.to(self.selection_bias.dtype)
-        self.selection_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+        delta = self.bias_update_rate * torch.sign(load.mean() - load)
+        self.selection_bias.add_(delta if apply is None else delta * apply.to(delta.dtype))
 
 
 class SoftmaxRouter(Router):
@@ -183,13 +185,14 @@ class ExpertChoiceRouter(SoftmaxRouter):
 
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
         S, E = x.shape[0], self.n_experts
+        # the capacity is a Python int (topk's k): known without a sync unless padding is masked out
+        n_real = S if token_mask is None else int(token_mask.sum())
         if token_mask is None:
             token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits, probs, _ = self.scores(x.float())
-            n_real = int(token_mask.sum())
-            cap = min(n_real, math.ceil(cf * n_real * self.top_k / E))
+            cap = min(n_real, expert_capacity(n_real, self.top_k, E, cf))
             masked = probs.masked_fill(~token_mask[:, None], -1.0)  # padding is never picked
             experts = torch.arange(E, device=x.device).expand(S, E)
             valid = torch.zeros(S, E, dtype=torch.bool, device=x.device)

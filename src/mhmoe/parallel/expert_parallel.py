@@ -183,10 +183,9 @@ class ExpertParallelMoE(MoELayer):
         if self.stats_group is None or self._global is None:
             return super().routing_stats(route, chosen, losses)
         E = route.probs.shape[-1]
-        glob, self._global = self._global.tolist(), None
-        return RoutingStats(counts=torch.tensor(glob[:E], dtype=torch.int64, device=route.counts.device),
-                            tokens=int(glob[E]), dropped=int(glob[E + 1]),
-                            losses={k: float(v.detach()) for k, v in losses.items()})
+        glob, self._global = self._global.round().long(), None
+        return RoutingStats(counts=glob[:E], tokens=glob[E], dropped=glob[E + 1],
+                            losses={k: v.detach().float() for k, v in losses.items()})
 
 
 def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None,

@@ -50,6 +50,7 @@ class Distributed(SingleProcess):
         super().__init__(env.device)
         self.env, self.mode = env, mode
         self.rank, self.world_size = env.rank, env.world_size
+        self.fused_optimizer = env.device.type == "cuda"  # DTensor parameters on gloo: the foreach AdamW
         self.par: ParallelModel | None = None
 
     def barrier(self) -> None:
@@ -62,9 +63,9 @@ class Distributed(SingleProcess):
     def micro_step(self, last: bool) -> AbstractContextManager:
         return self.par.sync(last)
 
-    def finish_grads(self, model: LM, max_norm: float, finite: bool) -> Tensor | None:
+    def finish_grads(self, model: LM, max_norm: float, loss_finite: Tensor) -> Tensor:
         self.par.finish_grads()
-        return self.par.clip_grad_norm(max_norm, extra_nonfinite=not finite)
+        return self.par.clip_grad_norm(max_norm, extra_nonfinite=not bool(loss_finite))  # ranks agree (collective)
 
     def mean(self, values: list[float]) -> list[float]:
         return self.par.all_mean(values)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mhmoe.config.run import RunConfig
 from mhmoe.data import BatchSampler, PreparedData, prepare_data
@@ -65,13 +66,15 @@ class Progress:
 
 @dataclass
 class StepResult:
-    """What one optimizer step produced (losses are means over its micro-batches)."""
+    """What one optimizer step produced, as device tensors (read at logging time): losses are means
+    over its micro-batches; ``finite`` False = the step was skipped."""
 
-    finite: bool
-    lm_loss: float = 0.0
-    aux_loss: float = 0.0
-    grad_norm: float | None = None
-    lr: float = 0.0
+    step: int
+    finite: Tensor
+    lm_loss: Tensor
+    aux_loss: Tensor
+    grad_norm: Tensor
+    lr: float
     routing: list[RoutingStats] = field(default_factory=list)
 
 
@@ -122,7 +125,7 @@ class Trainer:
         self._write_config()
         self.model = self.ckpt.model if self.ckpt and self.ckpt.model is not None else LM(self.run_cfg.model)
         self.module = par.parallelize(self.model)
-        self.optimizer = build_optimizer(self.model, self.cfg, fused=par.device.type == "cuda")
+        self.optimizer = build_optimizer(self.model, self.cfg, fused=par.fused_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
         self.state = self._restore()
         self.start = self.state.step
@@ -133,7 +136,8 @@ class Trainer:
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
         self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
         self.nan_run = 0
-        self.window = (time.perf_counter(), 0)  # (start time, tokens) of the current log window
+        self.pending: list[StepResult] = []  # steps whose finiteness the host has not read yet
+        self.window = (time.perf_counter(), self.state.tokens_seen)  # (time, tokens) at the last log
 
     # ---- setup --------------------------------------------------------------------------------
     def _open_resume(self, run: RunConfig, resume: bool) -> Checkpoint | None:
@@ -183,60 +187,63 @@ class Trainer:
     # ---- one optimizer step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
         """Forward/backward of every micro-batch of ``step``, gradient reduction and clipping, then the
-        optimizer and scheduler step (a non-finite loss or gradient skips the optimizer step)."""
+        optimizer and scheduler step. A non-finite loss or gradient skips the optimizer update on the
+        device; nothing here waits for the device (losses and statistics stay tensors)."""
         self.model.train()
         n = self.cfg.grad_accum
-        lm_sum, aux_sum, routing, finite = 0.0, 0.0, None, True
+        lm = torch.zeros((), device=self.par.device)
+        aux, routing = torch.zeros_like(lm), None
         for micro in range(n):
             x, y = self.sampler.get_batch(step, micro)
             x, y = x.to(self.par.device, non_blocking=True), y.to(self.par.device, non_blocking=True)
             with self.par.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.par.device, self.cfg.dtype):
                     out = self.forward(x, y)
-                loss = (out.loss + out.aux_loss) / n
-                if not torch.isfinite(loss):
-                    finite = False
-                    if not self.par.lockstep:
-                        break
-                loss.backward()
-            lm_sum += float(out.loss.detach())
-            aux_sum += float(out.aux_loss.detach())
+                ((out.loss + out.aux_loss) / n).backward()
+            lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
             routing = sum_routing(routing, out.routing)
-        gnorm = self.par.finish_grads(self.model, self.cfg.grad_clip or math.inf, finite)
-        finite = gnorm is not None and bool(torch.isfinite(gnorm))  # finite loss, non-finite grads: skip too
-        res = StepResult(finite, lm_sum / n, aux_sum / n, None if gnorm is None else float(gnorm),
-                         self.scheduler.get_last_lr()[0], routing or [])
-        if finite:
-            self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.cfg, step)
-            self.optimizer.step()
-            if res.routing:
-                self.model.balance_step(res.routing)
+        gnorm = self.par.finish_grads(self.model, self.cfg.grad_clip or math.inf, torch.isfinite(lm + aux))
+        finite = torch.isfinite(gnorm)
+        self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.cfg, step)
+        self.par.optimizer_step(self.optimizer, finite)
+        if routing:
+            self.model.balance_step(routing, finite)
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return res
+        return StepResult(step, finite, lm / n, aux / n, gnorm, lr, routing or [])
 
-    def count_nonfinite(self, step: int, res: StepResult) -> None:
-        """Track skipped steps; stop the run after ``train.max_nan_skips`` in a row."""
-        if res.finite:
-            self.nan_run = 0
+    def settle(self) -> None:
+        """Read the finiteness of the steps run since the last call (one host sync): count skipped steps
+        and their tokens, warn, and stop the run after ``train.max_nan_skips`` skipped steps in a row."""
+        if not self.pending:
             return
-        self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
-        if self.par.is_rank0:
-            print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
-                  f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
-        if self.nan_run > self.cfg.max_nan_skips:
-            raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
-                               f"(train.max_nan_skips={self.cfg.max_nan_skips}); lower train.lr or use float32")
+        flags = torch.stack([r.finite for r in self.pending]).tolist()
+        steps, self.pending = [r.step for r in self.pending], []
+        for step, ok in zip(steps, flags, strict=True):
+            if ok:
+                self.nan_run = 0
+                self.state.tokens_seen += self.cfg.tokens_per_step * self.par.world_size
+                continue
+            self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
+            if self.par.is_rank0:
+                print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
+                      f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
+            if self.nan_run > self.cfg.max_nan_skips:
+                raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
+                                   f"(train.max_nan_skips={self.cfg.max_nan_skips}); lower train.lr or use float32")
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
-        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar."""
-        step = self.state.step
-        lm, aux = self.par.mean([res.lm_loss, res.aux_loss])
+        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar;
+        a skipped (non-finite) step is not logged."""
+        if not bool(res.finite):
+            return
+        lm, aux = self.par.mean([float(res.lm_loss), float(res.aux_loss)])
         now = time.perf_counter()
-        tps = self.window[1] / max(1e-9, now - self.window[0])
-        self.window = (now, 0)
-        rec = {"step": step, "loss": lm, "aux_loss": aux, "lr": res.lr, "grad_norm": res.grad_norm,
+        tps = (self.state.tokens_seen - self.window[1]) / max(1e-9, now - self.window[0])
+        self.window = (now, self.state.tokens_seen)
+        rec = {"step": res.step + 1, "loss": lm, "aux_loss": aux, "lr": res.lr, "grad_norm": float(res.grad_norm),
                "tokens_per_s": tps, "tokens": self.state.tokens_seen, "nan_skips": self.state.nan_total,
                **routing_summary(res.routing, self.cfg.grad_accum)}
         if self.metrics is not None:
@@ -284,23 +291,25 @@ class Trainer:
         while st.step < cfg.max_steps:
             t0 = time.perf_counter()
             res = self.train_step(st.step)
-            self.count_nonfinite(st.step, res)
+            self.pending.append(res)
             st.step += 1
-            if not res.finite:
-                continue
-            n_tok = cfg.tokens_per_step * self.par.world_size
-            st.tokens_seen += n_tok
             st.train_s += time.perf_counter() - t0
-            self.window = (self.window[0], self.window[1] + n_tok)
             self.bar.update(1)
-            if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
+            due = {"log": st.step % cfg.log_every == 0 or st.step == cfg.max_steps,
+                   "eval": bool(cfg.eval_every) and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps,
+                   "ckpt": bool(cfg.ckpt_every) and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps,
+                   "stop": self.stop_after is not None and st.step >= self.stop_after}
+            if any(due.values()):
+                self.settle()
+            if due["log"]:
                 self.log_step(res)
-            if cfg.eval_every and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps:
+            if due["eval"]:
                 self.evaluate(st.step)
-            if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps:
+            if due["ckpt"]:
                 self.save()
-            if self.stop_after is not None and st.step >= self.stop_after:
+            if due["stop"]:
                 break
+        self.settle()
 
     def _save_interrupted(self) -> None:
         step = self.state.step

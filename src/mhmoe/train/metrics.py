@@ -9,34 +9,32 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mhmoe.moe.layers import RoutingStats
 
 
 def sum_routing(acc: list[RoutingStats] | None, new: list[RoutingStats]) -> list[RoutingStats]:
-    """Accumulate per-layer routing statistics over the micro-steps of one optimizer step."""
-    if acc is None:
-        return [RoutingStats(s.counts.clone(), s.tokens, s.dropped, dict(s.losses)) for s in new]
-    for a, s in zip(acc, new, strict=True):
-        a.counts += s.counts
-        a.tokens += s.tokens
-        a.dropped += s.dropped
-        for k, v in s.losses.items():
-            a.losses[k] = a.losses.get(k, 0.0) + v
-    return acc
+    """Per-layer routing statistics summed over the micro-steps of one optimizer step (device tensors)."""
+    return list(new) if acc is None else [a + s for a, s in zip(acc, new, strict=True)]
 
 
 def routing_summary(stats: list[RoutingStats], n_micro: int) -> dict[str, Any]:
-    """Expert-load statistics for metrics.jsonl (averaged over MoE layers)."""
+    """Expert-load statistics for metrics.jsonl (averaged over MoE layers). Reads the device once."""
     if not stats:
         return {}
-    out: dict[str, Any] = {}
-    for k in stats[0].losses:
-        out[f"{k}_loss"] = sum(s.losses[k] for s in stats) / (len(stats) * n_micro)
-    out["load_imbalance"] = sum(s.load_imbalance for s in stats) / len(stats)
-    out["load_imbalance_per_layer"] = [round(s.load_imbalance, 4) for s in stats]
-    slots = [max(1, int(s.counts.sum())) for s in stats]
-    out["dropped_frac"] = sum(s.dropped for s in stats) / sum(slots)
-    out["experts_used_frac"] = sum(float((s.counts > 0).float().mean()) for s in stats) / len(stats)
+    names = list(stats[0].losses)
+    per_layer = torch.stack([torch.stack([
+        *(s.losses[k].float() for k in names), s.counts.float().max() / s.counts.float().mean().clamp_min(1e-9),
+        s.dropped.float(), s.counts.sum().float().clamp_min(1), (s.counts > 0).float().mean()]) for s in stats])
+    rows = per_layer.tolist()  # the one host sync
+    n = len(rows)
+    out: dict[str, Any] = {f"{k}_loss": sum(r[i] for r in rows) / (n * n_micro) for i, k in enumerate(names)}
+    j = len(names)
+    out["load_imbalance"] = sum(r[j] for r in rows) / n
+    out["load_imbalance_per_layer"] = [round(r[j], 4) for r in rows]
+    out["dropped_frac"] = sum(r[j + 1] for r in rows) / sum(r[j + 2] for r in rows)
+    out["experts_used_frac"] = sum(r[j + 3] for r in rows) / n
     return out
 
 

@@ -32,6 +32,8 @@ class SingleProcess:
     lockstep = False
     #: a checkpoint can be written by this process alone (an interrupted sharded run cannot)
     saves_alone = True
+    #: fused AdamW (one kernel per parameter group; skips non-finite steps on the device)
+    fused_optimizer = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -51,12 +53,20 @@ class SingleProcess:
         """Context of one micro-step's forward and backward (``last``: gradients are reduced)."""
         return contextlib.nullcontext()
 
-    def finish_grads(self, model: LM, max_norm: float, finite: bool) -> Tensor | None:
-        """Reduce the step's gradients and clip them to ``max_norm``; return the global gradient norm
-        (None when this process already knows the step is non-finite)."""
-        if not finite:
-            return None
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def finish_grads(self, model: LM, max_norm: float, loss_finite: Tensor) -> Tensor:
+        """Reduce the step's gradients and clip them to ``max_norm``; return the global gradient norm, a
+        0-dim device tensor (NaN when the loss of any rank was non-finite: ``loss_finite`` False)."""
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return torch.where(loss_finite, norm, torch.nan)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: Tensor) -> None:
+        """``optimizer.step()`` unless ``finite`` (0-dim bool) is False. A fused AdamW skips on the device
+        (its ``found_inf``, as under a GradScaler): no host synchronisation."""
+        if all(g.get("fused") for g in optimizer.param_groups):
+            optimizer.found_inf = (~finite).float()
+            optimizer.step()
+        elif bool(finite):
+            optimizer.step()
 
     def mean(self, values: list[float]) -> list[float]:
         """Mean over ranks of a few floats (logged losses)."""
@@ -71,8 +81,12 @@ class SingleProcess:
         return load_latest(run_dir)
 
     def restore(self, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Load the optimizer state of ``ckpt`` (the model came with it); return its trainer state."""
-        optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
+        """Load the optimizer state of ``ckpt`` (the model came with it); return its trainer state. The
+        optimizer keeps its own implementation (fused or not), whatever wrote the checkpoint."""
+        saved = ckpt.trainer_state["optimizer"]
+        fused = [g.get("fused") for g in optimizer.param_groups]
+        groups = [{**g, "fused": f} for g, f in zip(saved["param_groups"], fused, strict=True)]
+        optimizer.load_state_dict({**saved, "param_groups": groups})
         return ckpt.trainer_state
 
     def save_checkpoint(self, run_dir: Path, step: int, model: LM, optimizer: torch.optim.Optimizer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhmoe.moe.capacity import expert_counts
 from mhmoe.moe.routers import RouterOutput
 
 
@@ -21,7 +22,7 @@ def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, 
     device-to-host copy; the per-expert loop needs the block sizes).
     """
     key = torch.where(valid, experts, n_experts).reshape(-1)
-    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    counts = expert_counts(key, n_experts + 1)[:n_experts]
     order = torch.argsort(key, stable=True)
     counts_list = counts.tolist()
     return order[: sum(counts_list)], counts, counts_list
@@ -30,8 +31,10 @@ def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, 
 def combine(rows: Tensor, order: Tensor, route: RouterOutput) -> Tensor:
     """out[s] = sum_k w[s,k] * rows[row of slot (s,k)] for expert outputs rows [N, D] in ``order``.
 
-    One ``embedding_bag`` (gather + weighted sum over the K slots, no scatter into a [S*K, D] buffer);
-    invalid slots read an appended zero row.
+    A gather by the inverse permutation and a weighted sum over the K slots (no scatter into a
+    [S*K, D] buffer, no atomics); invalid slots read an appended zero row. On CPU one
+    ``embedding_bag`` does both; on CUDA a gather and a batched [1, K] x [K, D] product (the CUDA
+    ``embedding_bag`` has no bf16 backward for ``per_sample_weights``).
     """
     S, K = route.experts.shape
     N = order.numel()
@@ -39,5 +42,8 @@ def combine(rows: Tensor, order: Tensor, route: RouterOutput) -> Tensor:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     slot_row = torch.full((S * K,), N, dtype=torch.long, device=rows.device)
     slot_row[order] = torch.arange(N, device=rows.device)
-    return torch.nn.functional.embedding_bag(slot_row.view(S, K), rows, mode="sum",
-                                             per_sample_weights=route.weights.to(rows.dtype))
+    w = route.weights.to(rows.dtype)
+    if rows.is_cuda:
+        y = rows.index_select(0, slot_row).view(S, K, rows.shape[1])
+        return torch.bmm(w.unsqueeze(1), y).squeeze(1)
+    return torch.nn.functional.embedding_bag(slot_row.view(S, K), rows, mode="sum", per_sample_weights=w)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from mhmoe.moe.capacity import expert_counts
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -243,7 +244,7 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     order = torch.argsort(key, stable=True)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(key, minlength=E + 1)[:E].tolist()
+    counts = expert_counts(key, E + 1)[:E].tolist()
     ws = [experts.w1, experts.w2, experts.w3]
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):  # run in the autocast dtype, autocast off inside

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhmoe.moe.capacity import expert_counts
 from mhmoe.moe.dispatch.common import combine
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
@@ -21,7 +22,7 @@ def grouped_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tens
     key = torch.where(route.valid, route.experts, E).reshape(-1)
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
-    offsets = torch.cumsum(torch.bincount(key, minlength=E + 1)[:E], 0).to(torch.int32)
+    offsets = torch.cumsum(expert_counts(key, E + 1)[:E], 0).to(torch.int32)
     live = (sorted_key < E)[:, None]
     # rows past offsets[-1] (invalid slots) are not computed: their outputs, and their input gradients
     # in the backward, are undefined memory -- torch.where on both sides discards them (a select, so

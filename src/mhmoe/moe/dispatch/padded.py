@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhmoe.moe.capacity import expert_counts
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -19,7 +20,7 @@ def padded_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     S, K = route.experts.shape
     E = experts.n_experts
     key = torch.where(route.valid, route.experts, E).reshape(-1)  # [S*K], E = not dispatched
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    counts = expert_counts(key, E + 1)[:E]
     C = int(counts.max()) if S * K else 0  # the one host sync
     if C == 0:
         return x.new_zeros(x.shape)
