@@ -20,7 +20,7 @@ ROUTERS = ("softmax", "xmoe", "noisy", "sigmoid", "expert_choice")
 XMOE_GATES = ("softmax", "sigmoid")
 RESIDUALS = ("block", "subtoken")
 KINDS = ("dense", "moe")
-IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "loop")
+IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop")
 ENTROPY_MODES = ("token", "batch")
 QUANTS = ("none", "bitnet158")
 
@@ -67,7 +67,7 @@ class MoEConfig:
     residual: str = "block"  # block (official code) | subtoken (ICML Eq.6)
     proj_bias: bool = True  # biases of the head/merge projections (official code: nn.Linear)
     # ---- execution -------------------------------------------------------------------------------
-    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | loop (loop = the oracle)
+    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | triton | loop (loop = the oracle)
     init_std: float = 0.02
     # ---- quantization (docs/BITNET.md) ---------------------------------------------------------------
     # none | bitnet158: ternary experts (gamma per expert), 8-bit activations, per-expert sub-norms,
