@@ -121,6 +121,23 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+# Dense bf16 tensor-core peak TFLOP/s (no sparsity) by GPU name, from the vendors' data sheets; the
+# denominator of model FLOPs utilisation (MFU). Unknown devices: pass the peak explicitly.
+BF16_PEAK_TFLOPS = {"H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.5,
+                    "H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0, "A10G": 70.0}
+
+
+def bf16_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s (None when unknown, e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in BF16_PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            return peak
+    return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
