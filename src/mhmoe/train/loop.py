@@ -196,6 +196,8 @@ class Trainer:
         aux, routing = torch.zeros_like(lm), None
         for micro in range(n):
             x, y = self.sampler.get_batch(step, micro)
+            if self.par.device.type == "cuda":  # page-locked: the copy to the device does not wait
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(self.par.device, non_blocking=True), y.to(self.par.device, non_blocking=True)
             with self.par.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.par.device, self.cfg.dtype):
