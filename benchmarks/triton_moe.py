@@ -32,7 +32,7 @@ def _fwd_bwd(fn, args, grad) -> None:
     fn(*args).backward(grad)
 
 
-def bench(dtype: torch.dtype, repeats: int) -> None:
+def bench(dtype: torch.dtype, repeats: int) -> dict:
     from mhmoe.moe.dispatch.grouped import grouped_moe
     from mhmoe.moe.dispatch.sorted import sorted_moe
     from mhmoe.moe.dispatch.triton import triton_moe
@@ -41,7 +41,9 @@ def bench(dtype: torch.dtype, repeats: int) -> None:
     from mhmoe.research.bench import machine_info, time_fns
 
     dev = torch.device("cuda")
-    print(machine_info(dev))
+    machine = machine_info(dev)
+    print(machine)
+    rows = []
     fns = {"triton": triton_moe, "grouped_mm": grouped_moe, "sorted": sorted_moe}
     for S, K, E, D, F in SHAPES:
         torch.manual_seed(0)
@@ -64,8 +66,12 @@ def bench(dtype: torch.dtype, repeats: int) -> None:
             fn()
             torch.cuda.synchronize()
             mem[n] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        row = "  ".join(f"{n} {t_fwd[n]:.3f}/{t_both[n]:.3f} ms {mem[n]:.0f} MiB" for n in fns)
-        print(f"S={S} K={K} E={E} D={D} F={F} (fwd/fwd+bwd, peak): {row}")
+        line = "  ".join(f"{n} {t_fwd[n]:.3f}/{t_both[n]:.3f} ms {mem[n]:.0f} MiB" for n in fns)
+        print(f"S={S} K={K} E={E} D={D} F={F} (fwd/fwd+bwd, peak): {line}")
+        rows.append({"S": S, "K": K, "E": E, "D": D, "F": F, "dtype": str(dtype).replace("torch.", ""),
+                     **{f"ms_fwd_{n}": t_fwd[n] for n in fns}, **{f"ms_fwd_bwd_{n}": t_both[n] for n in fns},
+                     **{f"mb_{n}": mem[n] for n in fns}})
+    return {"machine": machine, "rows": rows}
 
 
 def aot(arch: int, quick: bool) -> None:
@@ -134,13 +140,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="--aot: first autotune config of each kernel only")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", metavar="PATH", help="--bench: also write the rows and machine as JSON")
     args = ap.parse_args()
     if args.aot:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             raise SystemExit("--aot needs the compiled kernels: unset TRITON_INTERPRET")
         aot(args.arch, args.quick)
     if args.bench:
-        bench({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], args.repeats)
+        result = bench({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], args.repeats)
+        if args.json:
+            import json
+
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
     if not (args.aot or args.bench):
         ap.print_help()
 
