@@ -196,8 +196,9 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
     for path in reversed(list_checkpoints(run_dir)):
         try:
             meta = verify_checkpoint(path)
-            if meta.get("format") == "dcp":  # a refused .metadata falls back like a corrupted checkpoint
+            if meta.get("format") == "dcp":  # a refused .metadata or trainer state falls back like a corrupted one
                 SafeFileSystemReader(path / DCP_DIR).read_metadata()
+                load_trainer_state(path, int(meta["step"]))
         except CheckpointError as exc:
             errors.append(str(exc))
             continue
