@@ -61,9 +61,9 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
+    run = _load_run(args)  # config errors before the (slow) torch.distributed import
     from mhmoe.parallel.launch import train_parallel as train
 
-    run = _load_run(args)
     try:
         res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
                     launch_fields=_launch_fields(args))

@@ -73,12 +73,14 @@ class TrainConfig:
         check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))
         check(self.dtype in DTYPES, "train.dtype", self.dtype, " | ".join(DTYPES))
         check(self.device in DEVICES, "train.device", self.device, " | ".join(DEVICES))
-        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", (self.beta1, self.beta2), "[0, 1)")
+        for name in ("beta1", "beta2"):
+            check(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name), "a float in [0, 1)")
         check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")
         check(self.wd_stage2 is None or self.wd_stage2 >= 0, "train.wd_stage2", self.wd_stage2,
                "null (keep weight_decay) or a float >= 0")
-        check(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train.eps/weight_decay/grad_clip",
-               (self.eps, self.weight_decay, self.grad_clip), "eps > 0, weight_decay >= 0, grad_clip >= 0")
+        check(self.eps > 0, "train.eps", self.eps, "a float > 0")
+        for name in ("weight_decay", "grad_clip"):
+            check(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "a float >= 0 (0 = off)")
 
     @property
     def tokens_per_step(self) -> int:
