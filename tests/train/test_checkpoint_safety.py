@@ -81,6 +81,7 @@ def _trainer_state(opt: torch.optim.Optimizer, step: int = 1) -> dict:
     twin = torch.optim.AdamW([{"params": [torch.zeros(1)]} for _ in opt.param_groups], lr=opt.defaults["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(twin, lambda s: 1.0)  # leaves ``opt`` as it is
     for _ in range(step):
+        twin.step()
         sched.step()
     return {"step": step, "nan_total": 0, "tokens_seen": 0, "train_s": 0.0, "scheduler": sched.state_dict(),
             "rng_cpu": torch.get_rng_state()}

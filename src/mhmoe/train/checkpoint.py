@@ -20,8 +20,12 @@ directory: meta.json's file names must be relative, without ``..``, and no symli
 may lead out of it.
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash never
-leaves a half-written checkpoint under a real name. Loading verifies sizes and hashes; a corrupted
-or truncated checkpoint is reported in one line and the previous one is used instead.
+leaves a half-written checkpoint under a real name (the temporary directories a killed run leaves are
+removed by the next run, :func:`~mhmoe.train.checkpoint_format.remove_stale_temporaries`). Loading
+verifies sizes and hashes; a corrupted or truncated checkpoint is reported in one line and the
+previous one is used instead. For a resume (``for_resume=True``) the trainer state must also hold
+counters, scheduler and RNG state of the checkpoint's step and an optimizer state that fits the model
+(:func:`~mhmoe.train.checkpoint_format.check_trainer_state`), else it falls back the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from mhmoe.train.checkpoint_format import (
     model_is_finite,
     publish_checkpoint,
     verify_checkpoint,
+    warn_if_unsafe_torch,
 )
 from mhmoe.train.dcp_reader import load_dcp_single
 
@@ -88,6 +93,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", for_re
     fits the model), so a damaged one is refused here (and :func:`load_latest` falls back)."""
     path = Path(path)
     meta = verify_checkpoint(path)
+    warn_if_unsafe_torch(torch.__version__)
     if meta.get("format") == "dcp":  # sharded (torch.distributed.checkpoint), see mhmoe.train.dcp_reader
         return load_dcp_single(path, int(meta["step"]), device, for_resume)
     try:

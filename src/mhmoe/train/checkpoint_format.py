@@ -4,10 +4,13 @@ by rename, verification, and the :class:`Checkpoint` a loader returns. See :mod:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -23,6 +26,27 @@ from mhmoe.train.optim import build_optimizer
 FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+#: torch.load(weights_only=True) had code-execution bugs before this version (CVE-2025-32434 before 2.6,
+#: CVE-2026-24747 before 2.10); trainer_state.pt and DCP items are read with it
+SAFE_TORCH = (2, 10)
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", str(version or torch.__version__))[:2])
+    return major, minor
+
+
+@functools.cache
+def warn_if_unsafe_torch(version: str) -> bool:
+    """Once per process and version: a one-line warning when this torch's ``weights_only`` unpickler has
+    known code-execution bugs (see :data:`SAFE_TORCH`). Returns whether the version is unsafe."""
+    if torch_version(version) >= SAFE_TORCH:
+        return False
+    print(f"mhmoe: warning: torch {version} has known code-execution bugs in torch.load(weights_only=True) "
+          "(CVE-2025-32434, CVE-2026-24747): load checkpoints you did not write only with torch >= "
+          f"{SAFE_TORCH[0]}.{SAFE_TORCH[1]}", file=sys.stderr)
+    return True
 
 
 def _sha256(path: Path) -> str:
