@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import MHMOE, tiny_run
 
 import mhmoe.cli
@@ -114,9 +115,13 @@ def test_bad_paths_exit_2(config, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and not (tmp_path / "nothing").exists()
 
 
-def test_out_of_memory_is_one_line(config, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [
+    MemoryError("Unable to allocate 246. GiB for an array with shape (1000000000, 33)"),  # numpy, host memory
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\n(GPU 0; 79.1 GiB total)"),
+], ids=["host", "device"])
+def test_out_of_memory_is_one_line(config, tmp_path, monkeypatch, capsys, error):
     def oom(self, step, micro=0):
-        raise MemoryError("Unable to allocate 246. GiB for an array with shape (1000000000, 33)")
+        raise error
 
     monkeypatch.setattr(BatchSampler, "get_batch", oom)
     assert main(["train", "--config", str(config), "--out", str(tmp_path / "o"), "--no-progress"]) == 2

@@ -46,8 +46,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    torch = sys.modules.get("torch")  # loaded by the command if it ran out of device memory
+    oom = getattr(torch.cuda, "OutOfMemoryError", None) if torch is not None else None
     return isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom))
 
 

@@ -67,7 +67,7 @@ def _run_train(args) -> int:
     try:
         res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
                     launch_fields=_launch_fields(args))
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # = torch.OutOfMemoryError (any device) in recent torch
         raise  # one line, exit 2 (mhmoe.cli.main)
     except RuntimeError as exc:  # e.g. too many NaN steps
         print(f"mhmoe train: {exc}", file=sys.stderr)
