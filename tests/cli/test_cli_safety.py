@@ -8,8 +8,8 @@ never overwriting what the user has.
 * Ctrl-C / SIGTERM during start-up (imports, data preparation) and during training: one line, exit 130 / 143,
   a checkpoint at the step boundary;
 * ``convert-checkpoint`` into an existing run and ``export --bitnet`` into a non-empty folder: refused,
-  nothing touched (before: the run's newest checkpoint was replaced and older ones pruned, exit 0; the
-  user's config.yaml was overwritten);
+  nothing touched (unguarded, the run's newest checkpoint is replaced and older ones pruned, exit 0; the
+  user's config.yaml is overwritten);
 * ``--resume`` keeps the run's step count and prints the run's own name; ``compare`` refuses to reuse
   runs trained with other settings.
 """

@@ -5,9 +5,9 @@ logging, evaluation, checkpoint save). Every time, the run stops at the step bou
 checkpoint whose weights, optimizer, scheduler, RNG and counters are those of its step number, raises
 ``Interrupted`` (exit code 130 / 143), and resuming reproduces the uninterrupted run bit for bit.
 
-Before signals were deferred, a Ctrl-C right after the optimizer step saved the new weights under the
-old step number (the resume then trained that step twice and diverged from the uninterrupted run), and
-SIGTERM killed the process without saving.
+The failure this guards against: a Ctrl-C raised right after the optimizer step saves the new weights
+under the old step number (the resume then trains that step twice and diverges from the uninterrupted
+run), and SIGTERM kills the process without saving.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ scheduler of another step, broken DCP metadata) is refused in one line and the p
 used, bit-exactly; ``--resume`` keeps the run's own step count unless one is given and takes the token
 cache directory from the command; a run whose every step was skipped as non-finite saves nothing.
 
-Before: a trainer_state.pt without "optimizer" ended the resume in a KeyError traceback (no fallback),
-resuming without --max-steps silently retrained with the preset's step count (another LR schedule),
-and an all-skipped run exited 0 with a checkpoint.
+The failures guarded against: a trainer_state.pt without "optimizer" ends the resume in a KeyError
+traceback (no fallback), resuming without --max-steps silently retrains with the preset's step count
+(another LR schedule), and an all-skipped run exits 0 with a checkpoint.
 """
 
 from __future__ import annotations

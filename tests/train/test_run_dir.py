@@ -3,8 +3,8 @@ for a second training, released on exit, taken over from a process that died hol
 that is a file, ``--resume`` into a directory that does not exist, and the hidden temporary
 checkpoint directories a killed run leaves behind.
 
-Before the lock, two trainings into the same ``--out`` both "succeeded": the checkpoints and results
-were the second one's and metrics.jsonl interleaved both.
+Without the lock, two trainings into the same ``--out`` both "succeed": the checkpoints and results
+are the second one's and metrics.jsonl interleaves both.
 """
 
 from __future__ import annotations
