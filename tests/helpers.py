@@ -78,4 +78,24 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records(run_dir)]
 
 
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two run directories hold the same run, bit for bit: every metrics and eval record (timings
+    aside) and the newest checkpoint's weights."""
+    import torch
+
+    from mhmoe.train.checkpoint import load_latest
+
+    ra, rb = records(a), records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # bit-exact, not approx
+    timing = {"tokens_per_s"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in ra] == \
+           [{k: v for k, v in r.items() if k not in timing} for r in rb]
+    assert records(a, "eval.jsonl") == records(b, "eval.jsonl")
+    wa, wb = load_latest(a).model.state_dict(), load_latest(b).model.state_dict()
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
 # ---- overfitting ------------------------------------------------------------------------------------

@@ -345,9 +345,10 @@ def test_export_cli_on_a_trained_checkpoint(tmp_path, capsys):
     text = capsys.readouterr().out
     assert (out / FILE_NAME).is_file() and (out / "config.yaml").is_file() and (out / "tokenizer").is_dir()
     assert "bytes" in text and "x smaller" in text and "max |diff| = 0" in text
-    assert main(["export", "--bitnet", str(run_dir), str(out), "--json"]) == 0
+    out2 = tmp_path / "export2"  # a new folder: export never writes into a non-empty one
+    assert main(["export", "--bitnet", str(run_dir), str(out2), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["packed_bytes"] == (out / FILE_NAME).stat().st_size < rep["fp32_bytes"]
+    assert rep["packed_bytes"] == (out2 / FILE_NAME).stat().st_size < rep["fp32_bytes"]
     assert rep["max_abs_logit_diff"] <= 1e-5 and rep["step"] == 3
     assert main(["export", str(run_dir), str(out)]) == 2  # --bitnet is required for now
     assert "--bitnet" in capsys.readouterr().err

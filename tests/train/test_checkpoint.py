@@ -276,3 +276,17 @@ def test_non_finite_model_is_never_saved(tmp_path, bad):
         save_checkpoint(tmp_path, 2, model, run, tok, {"step": 2})
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001"]
     assert load_latest(tmp_path).step == 1
+
+
+def test_old_torch_warns_once_before_loading(capsys):
+    """torch.load(weights_only=True) reads trainer_state.pt and DCP items; with a torch that has known
+    bugs in that unpickler (before 2.10) loading warns once per process, in one line."""
+    from mhmoe.train.checkpoint_format import warn_if_unsafe_torch
+
+    warn_if_unsafe_torch.cache_clear()
+    assert warn_if_unsafe_torch("2.5.1") and warn_if_unsafe_torch("2.5.1")  # printed once (cached)
+    assert warn_if_unsafe_torch("2.9.1+cu126")
+    assert not warn_if_unsafe_torch("2.10.0") and not warn_if_unsafe_torch(torch.__version__)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "CVE-2026-24747" in err[0] and "torch >= 2.10" in err[0]
+    warn_if_unsafe_torch.cache_clear()

@@ -76,12 +76,23 @@ def _trained(seed: int = 0) -> tuple[LM, torch.optim.Optimizer]:
     return model, opt
 
 
+def _trainer_state(opt: torch.optim.Optimizer, step: int = 1) -> dict:
+    """A complete trainer state at ``step`` (what a resume needs; mhmoe.train.loop writes the same keys)."""
+    twin = torch.optim.AdamW([{"params": [torch.zeros(1)]} for _ in opt.param_groups], lr=opt.defaults["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(twin, lambda s: 1.0)  # leaves ``opt`` as it is
+    for _ in range(step):
+        twin.step()
+        sched.step()
+    return {"step": step, "nan_total": 0, "tokens_seen": 0, "train_s": 0.0, "scheduler": sched.state_dict(),
+            "rng_cpu": torch.get_rng_state()}
+
+
 @pytest.fixture(scope="module")
 def legit(tmp_path_factory) -> Path:
     """A legitimate single-process DCP run directory (step 1), plus the model it holds (``model.pt``)."""
     root = tmp_path_factory.mktemp("legit")
     model, opt = _trained()
-    save_dcp_checkpoint(root / "run", 1, model, opt, _run(), ByteTokenizer(), {"step": 1}, no_dist=True)
+    save_dcp_checkpoint(root / "run", 1, model, opt, _run(), ByteTokenizer(), _trainer_state(opt), no_dist=True)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, root / "reference.pt")
     return root
 

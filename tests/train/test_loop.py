@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DENSE, MHMOE, NOISY_MH, SMOE, losses, records, tiny_run  # noqa: E402
+from helpers import DENSE, MHMOE, NOISY_MH, SMOE, assert_same_run, losses, records, tiny_run  # noqa: E402
 
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
@@ -70,20 +70,6 @@ def test_training_loop_overfits_fixed_batch(tmp_path, monkeypatch):
 
 
 # ---- bit-exact resume ---------------------------------------------------------------------------------
-def _assert_same_run(a: Path, b: Path) -> None:
-    ra, rb = records(a), records(b)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb]
-    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # bit-exact, not approx
-    timing = {"tokens_per_s"}
-    assert [{k: v for k, v in r.items() if k not in timing} for r in ra] == \
-           [{k: v for k, v in r.items() if k not in timing} for r in rb]
-    assert records(a, "eval.jsonl") == records(b, "eval.jsonl")
-    wa, wb = load_latest(a).model.state_dict(), load_latest(b).model.state_dict()
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-
-
 @pytest.mark.parametrize(
     "moe, extra",
     [
@@ -102,7 +88,7 @@ def test_resume_is_bit_exact(tmp_path, moe, extra):
     assert list_checkpoints(split)[-1].name == "step_00000003"
     res_split = train(run, split, resume=True, progress=False)
     assert res_full.step == res_split.step == 6
-    _assert_same_run(full, split)
+    assert_same_run(full, split)
     assert res_full.eval == res_split.eval
 
 
@@ -127,7 +113,7 @@ def test_resume_after_a_crash_falls_back_and_trims_logs(tmp_path):
     shutil.rmtree(newest)  # the crash: step 5 was logged, never checkpointed
     assert [r["step"] for r in records(crashed, "eval.jsonl")] == [1, 2, 3, 4, 5]
     train(run, crashed, resume=True, progress=False)
-    _assert_same_run(full, crashed)
+    assert_same_run(full, crashed)
     assert [r["step"] for r in records(crashed, "eval.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -141,33 +127,19 @@ def test_resume_survives_a_torn_metrics_line(tmp_path):
     with open(tmp_path / "torn" / "eval.jsonl", "a") as f:
         f.write("\n{")
     train(run, tmp_path / "torn", resume=True, progress=False)
-    _assert_same_run(tmp_path / "full", tmp_path / "torn")
+    assert_same_run(tmp_path / "full", tmp_path / "torn")
 
 
-def test_keyboard_interrupt_saves_and_resumes_exactly(tmp_path, monkeypatch, capsys):
-    run = tiny_run(tmp_path, MHMOE)
-    train(run, tmp_path / "full", progress=False)
-    original = BatchSampler.get_batch
-
-    def interrupt_at_3(self, step, micro=0):
-        if step == 3:
-            raise KeyboardInterrupt
-        return original(self, step, micro)
-
-    monkeypatch.setattr(BatchSampler, "get_batch", interrupt_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(run, tmp_path / "int", progress=False)
-    assert "checkpoint saved at step 3" in capsys.readouterr().err
-    assert [p.name for p in list_checkpoints(tmp_path / "int")] == ["step_00000003"]
-    monkeypatch.setattr(BatchSampler, "get_batch", original)
-    train(run, tmp_path / "int", resume=True, progress=False)
-    _assert_same_run(tmp_path / "full", tmp_path / "int")
-
-
-def test_resume_without_checkpoints_starts_fresh_and_finished_run_is_a_no_op(tmp_path):
+def test_resume_without_checkpoints_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):
+    """--resume into a run directory that holds no checkpoint yet (killed before its first) starts at step
+    0 and says so; into a directory that does not exist it is an error (a mistyped --out)."""
     run = tiny_run(tmp_path, SMOE, max_steps=3)
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        train(run, tmp_path / "r", resume=True, progress=False)
+    assert info.value.field == "--out" and not (tmp_path / "r").exists()
+    (tmp_path / "r").mkdir()
     res = train(run, tmp_path / "r", resume=True, progress=False)
-    assert res.step == 3
+    assert res.step == 3 and "holds no checkpoint yet: starting from step 0" in capsys.readouterr().err
     before = losses(tmp_path / "r")
     again = train(run, tmp_path / "r", resume=True, progress=False)
     assert again.step == 3 and losses(tmp_path / "r") == before

@@ -4,8 +4,10 @@
 convert-checkpoint), ``research`` (reproduce, analyze), ``ecosystem`` (downstream, make-tasks and the
 transformers / lm-eval handlers). Every module lists ``PARSER_BUILDERS``: functions that add a
 subcommand whose parser sets ``func``; the handlers turn the parsed arguments into typed configs and
-call the library with those only. Bad input (any ``ValueError``, including :mod:`mhmoe.errors`) prints one line to
-stderr and exits with status 2; no traceback.
+call the library with those only. Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and file-system
+errors) and running out of memory print one line to stderr and exit with status 2; no traceback. Ctrl-C and
+SIGTERM, also during start-up, print one line and exit 130 / 143 (a training saves a checkpoint first,
+see :mod:`mhmoe.train.loop`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from mhmoe.runtime.cpu_malloc import malloc_from_env
+from mhmoe.runtime.signals import raise_on_sigterm
 
 
 def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
@@ -38,21 +41,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # loaded by the command if it ran out of device memory
+    oom = getattr(torch.cuda, "OutOfMemoryError", None) if torch is not None else None
+    return isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
+    command = "mhmoe"
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"mhmoe {args.command}: error: {exc}", file=sys.stderr)
+        with raise_on_sigterm():  # a SIGTERM raises mhmoe.runtime.signals.Interrupted (exit 143), like Ctrl-C
+            parser = build_parser()  # imports torch: a Ctrl-C here must end in one line too
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 2
+            command = f"mhmoe {args.command}"
+            malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
+            return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"mhmoe {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Interrupted, exit_code 143)
+        print(f"{command}: {_one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", 130))
+    except (MemoryError, RuntimeError) as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        print(f"{command}: error: out of memory ({_one_line(exc)[:200]}); lower train.batch_size or train.seq_len, "
+              "or use a smaller model", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

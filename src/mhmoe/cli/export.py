@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from mhmoe.errors import ConfigError
+
+
+def refuse_non_empty(out: Path, flag: str = "OUT") -> None:
+    """ConfigError unless ``out`` does not exist or is an empty directory: an export or conversion
+    never overwrites (or prunes) what is already there."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(flag, str(out), "a new or empty directory (it exists and is not empty: refusing to "
+                                          "overwrite)")
 
 
 # ---- export ----------------------------------------------------------------------------------------
@@ -20,7 +30,8 @@ def _add_export(sub) -> None:
     fmt.add_argument("--hf", action="store_true", help="transformers from_pretrained directory (safetensors, "
                      "config.json, tokenizer.json); OUT must not exist or be empty")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/)")
+    p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/); "
+                   "must not exist or be empty")
     p.add_argument("--float-dtype", default="float32", help="float32 | bfloat16: dtype of the unquantized tensors")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_export)
@@ -36,18 +47,31 @@ def _run_export(args) -> int:
         return run_export_hf(args)
     if not args.bitnet:
         raise ConfigError("export", "(no format)", "--bitnet | --hf")
-    ck = load_latest(args.checkpoint, "cpu")
     out = Path(args.out)
-    report = export_bitnet(ck.model, out, args.float_dtype)
-    (out / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")
-    ck.tokenizer.save(out / "tokenizer")
-    # check: the packed model computes the fake-quantized model's logits
-    packed = load_packed(report.path)
-    model = ck.model.eval()
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, model.cfg.vocab_size, (1, min(32, model.cfg.max_seq_len)), generator=g)
-    with torch.no_grad():
-        diff = float((packed(idx).logits - model(idx).logits).abs().max())
+    refuse_non_empty(out)
+    ck = load_latest(args.checkpoint, "cpu")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # written completely, then renamed into place
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        report = export_bitnet(ck.model, tmp, args.float_dtype)
+        (tmp / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")
+        ck.tokenizer.save(tmp / "tokenizer")
+        # check: the packed model computes the fake-quantized model's logits
+        packed = load_packed(report.path)
+        model = ck.model.eval()
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, model.cfg.vocab_size, (1, min(32, model.cfg.max_seq_len)), generator=g)
+        with torch.no_grad():
+            diff = float((packed(idx).logits - model(idx).logits).abs().max())
+        refuse_non_empty(out)  # still new or empty after the export
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.path = out / Path(report.path).name
     res = {**report.to_dict(), "checkpoint": str(ck.path), "step": ck.step, "max_abs_logit_diff": diff}
     if args.json:
         print(json.dumps(res, indent=2))
@@ -65,7 +89,7 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert-checkpoint", help="convert a checkpoint between single-file safetensors and "
                        "sharded torch.distributed.checkpoint (DCP)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="run directory to write OUT/checkpoints/step_N into")
+    p.add_argument("out", metavar="OUT", help="a new (or empty) run directory to write OUT/checkpoints/step_N into")
     p.add_argument("--to", required=True, help="safetensors | dcp")
     p.set_defaults(func=_run_convert)
 
@@ -76,9 +100,20 @@ def _run_convert(args) -> int:
     if args.to not in ("safetensors", "dcp"):
         raise ConfigError("--to", args.to, "safetensors | dcp")
     from mhmoe.parallel.checkpoint import dcp_to_safetensors, safetensors_to_dcp
+    from mhmoe.train.checkpoint_format import CKPT_DIR
+    from mhmoe.train.lock import LOCK_FILE, RunDirLock
 
+    target = Path(args.out)
+    refuse_non_empty(target)  # converting into a run would replace its checkpoints and prune older ones
     src = load_latest(args.checkpoint).path
-    out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, args.out)
+    with RunDirLock(target):  # no training may start writing into it meanwhile
+        if any(p.name != LOCK_FILE for p in target.iterdir()):
+            refuse_non_empty(target)
+        try:
+            out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, target)
+        except BaseException:
+            shutil.rmtree(target / CKPT_DIR, ignore_errors=True)  # it was empty: leave nothing half-written
+            raise
     print(f"{src} -> {out}")
     return 0
 

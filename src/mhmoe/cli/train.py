@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -30,6 +31,16 @@ def _load_run(args: argparse.Namespace):
     return run.with_overrides(sets) if sets else run
 
 
+def _launch_fields(args: argparse.Namespace) -> tuple[str, ...]:
+    """What ``--resume`` takes from this command (:data:`mhmoe.train.loop.LAUNCH_FIELDS`): ``max_steps`` only
+    when given (``--max-steps`` or ``--set train.max_steps=``), so a resumed run keeps its LR schedule."""
+    from mhmoe.train.loop import LAUNCH_FIELDS
+
+    given = getattr(args, "max_steps", None) is not None or any(
+        s.split("=", 1)[0].strip() == "train.max_steps" for s in (getattr(args, "set", None) or []))
+    return LAUNCH_FIELDS if given else tuple(f for f in LAUNCH_FIELDS if f != "max_steps")
+
+
 # ---- train -----------------------------------------------------------------------------------------
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model from a preset or a YAML config")
@@ -50,11 +61,14 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
+    run = _load_run(args)  # config errors before the (slow) torch.distributed import
     from mhmoe.parallel.launch import train_parallel as train
 
-    run = _load_run(args)
     try:
-        res = train(run, args.out, resume=args.resume, progress=not args.no_progress)
+        res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
+                    launch_fields=_launch_fields(args))
+    except torch.cuda.OutOfMemoryError:  # = torch.OutOfMemoryError (any device) in recent torch
+        raise  # one line, exit 2 (mhmoe.cli.main)
     except RuntimeError as exc:  # e.g. too many NaN steps
         print(f"mhmoe train: {exc}", file=sys.stderr)
         return 1
@@ -63,9 +77,9 @@ def _run_train(args) -> int:
     summary = json.loads((Path(args.out) / "results.json").read_text())
     if args.json:
         print(json.dumps(summary, indent=2))
-    else:
+    else:  # the run's own name: a resumed run keeps its config, whatever --preset says
         ppl = "  ".join(f"{k} ppl {v['ppl']:.2f}" for k, v in res.eval.items())
-        print(f"{run.name}: step {res.step}  params {res.params:,}  {res.tokens_per_s:,.0f} tok/s  {ppl}")
+        print(f"{summary['preset']}: step {res.step}  params {res.params:,}  {res.tokens_per_s:,.0f} tok/s  {ppl}")
     return 0
 
 
@@ -94,7 +108,9 @@ def _run_eval(args) -> int:
     device = resolve_device("auto")
     ck = load_latest(args.checkpoint, device)
     cfg = ck.run.train
-    data = prepare_data(ck.run.data, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
+    # caches go where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where a checkpoint says
+    data_cfg = dataclasses.replace(ck.run.data, cache_dir="")
+    data = prepare_data(data_cfg, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
     res = evaluate(ck.model, data.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    max_batches=args.batches or cfg.eval_batches, device=device, dtype=cfg.dtype)
     if args.json:
@@ -164,12 +180,13 @@ def _run_compare(args) -> int:
     for name in args.presets:
         run_dir = Path(args.out) / name
         done = run_dir / "results.json"
-        if done.exists():
-            print(f"[{name}] finished earlier: reusing {done}", file=sys.stderr)
-            rows.append(json.loads(done.read_text()))
-            continue
         ns = argparse.Namespace(preset=name, config=None, set=args.set, data=args.data, max_steps=args.max_steps)
         run = _load_run(ns)
+        check_same_settings(run_dir, run)
+        if done.exists():
+            print(f"[{name}] finished earlier with the same settings: reusing {done}", file=sys.stderr)
+            rows.append(json.loads(done.read_text()))
+            continue
         print(f"[{name}] training {run.train.max_steps} steps x {run.train.tokens_per_step:,} tokens", file=sys.stderr)
         train(run, run_dir, resume=bool(list((run_dir / "checkpoints").glob("step_*"))) if run_dir.exists() else False,
               progress=not args.no_progress)
@@ -181,6 +198,34 @@ def _run_compare(args) -> int:
         print(format_table(rows))
         print(f"wall time {wall / 60:.1f} min")
     return 0
+
+
+#: settings that do not change what a run computes (launch properties) or that training derives (vocab_size)
+_NOT_COMPARED = {"model.vocab_size", "train.threads", "train.parallel", "train.ep", "data.cache_dir"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_same_settings(run_dir: Path, run) -> None:
+    """Refuse to reuse or resume ``run_dir`` when it was trained with other settings than ``run`` (its
+    config.yaml differs in anything but :data:`_NOT_COMPARED`)."""
+    from mhmoe.config.run import RunConfig
+
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved, wanted = _flat(RunConfig.load(saved_file).to_dict()), _flat(run.to_dict())
+    for key in sorted(set(saved) | set(wanted)):
+        if key not in _NOT_COMPARED and saved.get(key) != wanted.get(key):
+            raise ConfigError("--out", str(run_dir.parent),
+                              f"a directory whose runs have this command's settings ({run_dir.name} was trained "
+                              f"with {key}={saved.get(key)!r}, this command asks for {wanted.get(key)!r}: choose "
+                              f"another --out, or remove {run_dir})")
 
 
 def format_table(rows: list[dict]) -> str:

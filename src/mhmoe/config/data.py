@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mhmoe.config.fields import is_int
+from mhmoe.config.fields import check_types, is_int
 from mhmoe.errors import ConfigError
 
 MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
@@ -28,6 +28,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.val_sets, (list, str)):
             self.val_sets = (self.val_sets,) if isinstance(self.val_sets, str) else tuple(self.val_sets)
+        check_types(self, "data.")
         for name in ("corpus", "jsonl_field", "tokenizer"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mhmoe.config.fields import check, coerce_fields
+from mhmoe.config.fields import check, check_types, coerce_fields
 from mhmoe.config.moe import QUANTS, MoEConfig
 from mhmoe.errors import ConfigError
 
@@ -37,12 +37,15 @@ class ModelConfig:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig.from_dict(self.moe)
         check(isinstance(self.moe, MoEConfig), "model.moe", type(self.moe).__name__, "a MoEConfig")
+        check_types(self, "")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_every", "max_seq_len"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ConfigError("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} giving an even head dim")
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        check(self.norm_eps > 0, "norm_eps", self.norm_eps, "a float > 0 (RMSNorm epsilon)")
+        check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
         check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
         check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
         if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from mhmoe.config.fields import check, coerce_fields
+from mhmoe.config.fields import check, check_types, coerce_fields
 from mhmoe.errors import ConfigError
 
 FFN_TYPES = ("swiglu", "relu")
@@ -75,6 +75,7 @@ class MoEConfig:
     quant: str = "none"
 
     def __post_init__(self) -> None:
+        check_types(self, "")
         for f in fields(self):
             if f.type == "bool":
                 v = getattr(self, f.name)

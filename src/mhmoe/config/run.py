@@ -42,6 +42,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
+        check(isinstance(self.name, str) and self.name.strip() != "", "name", self.name, "a non-empty string")
         self.model = _section(ModelConfig, self.model, "model")
         self.train = _section(TrainConfig, self.train, "train")
         self.data = _section(DataConfig, self.data, "data")
@@ -76,7 +77,15 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        return cls.from_yaml(Path(path).read_text(encoding="utf-8"))
+        """Read a YAML run config; ConfigError (one line) for a missing, unreadable or non-text file."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("config", str(path), f"a readable YAML file ({exc.strerror or type(exc).__name__})"
+                              ) from None
+        except UnicodeDecodeError:
+            raise ConfigError("config", str(path), "a YAML text file (this one is not UTF-8 text)") from None
+        return cls.from_yaml(text)
 
     def with_overrides(self, assignments: list[str]) -> RunConfig:
         """Apply ``section.key=value`` strings (e.g. ``train.lr=1e-3``, ``model.moe.top_k=2``)."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mhmoe.config.fields import check
+from mhmoe.config.fields import INT64, check, check_types
 
 SCHEDULES = ("linear", "cosine", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("auto", "none", "ddp", "fsdp")
+#: tokens of one micro-batch (batch_size * seq_len): past this, index arithmetic of int32 kernels overflows and
+#: no machine holds the activations; a smaller batch that still does not fit fails with a one-line out-of-memory
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
 
 
 @dataclass
@@ -52,13 +55,16 @@ class TrainConfig:
     ep: int = 1
 
     def __post_init__(self) -> None:
+        check_types(self, "train.")
         for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches", "keep_last"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"train.{name}", v, "an integer >= 1")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "threads", "max_nan_skips"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 0, f"train.{name}", v, "an integer >= 0")
-        check(isinstance(self.compile, bool), "train.compile", self.compile, "true | false")
+        check(0 <= self.seed < INT64, "train.seed", self.seed, "an integer in 0..2**63-1")
+        check(self.batch_size * self.seq_len <= MAX_MICRO_BATCH_TOKENS, "train.batch_size", self.batch_size,
+              f"an integer >= 1 with batch_size * seq_len <= {MAX_MICRO_BATCH_TOKENS:,} (seq_len={self.seq_len})")
         check(self.parallel in PARALLEL, "train.parallel", self.parallel, " | ".join(PARALLEL))
         check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
                "an integer >= 1 (1 = no expert parallelism)")
@@ -67,12 +73,14 @@ class TrainConfig:
         check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))
         check(self.dtype in DTYPES, "train.dtype", self.dtype, " | ".join(DTYPES))
         check(self.device in DEVICES, "train.device", self.device, " | ".join(DEVICES))
-        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", (self.beta1, self.beta2), "[0, 1)")
+        for name in ("beta1", "beta2"):
+            check(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name), "a float in [0, 1)")
         check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")
         check(self.wd_stage2 is None or self.wd_stage2 >= 0, "train.wd_stage2", self.wd_stage2,
                "null (keep weight_decay) or a float >= 0")
-        check(self.eps > 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train.eps/weight_decay/grad_clip",
-               (self.eps, self.weight_decay, self.grad_clip), "eps > 0, weight_decay >= 0, grad_clip >= 0")
+        check(self.eps > 0, "train.eps", self.eps, "a float > 0")
+        for name in ("weight_decay", "grad_clip"):
+            check(getattr(self, name) >= 0, f"train.{name}", getattr(self, name), "a float >= 0 (0 = off)")
 
     @property
     def tokens_per_step(self) -> int:

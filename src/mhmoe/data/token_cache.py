@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer_base import Tokenizer, atomic_write_bytes
+from mhmoe.data.tokenizer_base import Tokenizer, atomic_write_bytes, check_path_component
 from mhmoe.errors import DataError
 
 CACHE_FORMAT_VERSION = 1
@@ -176,8 +176,12 @@ def load_or_build_tokens(
 ) -> TokenFile:
     """The token file for (corpus, split, tokenizer[, cap]), reused only if its manifest is valid.
 
-    File: ``<cache_dir>/tokens/<corpus_key>/<split>-<tokenizer>-<fingerprint[:12]>[-cap<N>].bin``.
+    File: ``<cache_dir>/tokens/<corpus_key>/<split>-<tokenizer>-<fingerprint[:12]>[-cap<N>].bin``; each
+    part must be a plain file name (DataError otherwise), so the file stays inside ``cache_dir``.
     """
+    for value, what in ((corpus_key, "corpus key"), (split, "split"), (tokenizer.name, "tokenizer name"),
+                        (tokenizer.fingerprint[:12], "tokenizer fingerprint")):
+        check_path_component(value, what)
     if max_tokens is not None and max_tokens < 1:
         raise DataError(f"max_tokens={max_tokens}: must be >= 1")
     dtype = token_dtype(tokenizer.vocab_size)

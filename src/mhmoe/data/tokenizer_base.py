@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,19 @@ EOS_TEXT = "<|endoftext|>"
 META_FILE = "tokenizer_meta.json"
 TOKENIZER_FORMAT_VERSION = 1
 ENCODE_CHUNK_CHARS = 4096
+_PATH_SEPARATORS = re.compile(r"[/\\\x00]")
+
+
+def check_path_component(value: object, what: str) -> str:
+    """``value`` if it can be used as one file-name component: a printable string of at most 200
+    characters without ``/``, ``\\`` or NUL, and not ``.`` or ``..``. Names read from files (a
+    tokenizer's name in ``tokenizer_meta.json``, which comes with downloaded checkpoints) become parts
+    of cache paths and must not lead out of their directory. DataError otherwise."""
+    ok = (isinstance(value, str) and value not in ("", ".", "..") and len(value) <= 200 and value.isprintable()
+          and not _PATH_SEPARATORS.search(value))
+    if not ok:
+        raise DataError(f"{what} {value!r} is not a plain file name (no '/', '\\', '..' or control characters)")
+    return value
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -171,6 +185,10 @@ def read_tokenizer_meta(directory: Path) -> dict[str, Any]:
             raise TypeError("kind and fingerprint must be strings")
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{meta_path}: corrupt tokenizer metadata ({e})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: corrupt tokenizer metadata (not an object)")
+    if "name" in meta:  # becomes part of token-cache file names
+        check_path_component(meta["name"], f"{meta_path}: tokenizer name")
     if meta.get("format_version") != TOKENIZER_FORMAT_VERSION:
         raise DataError(f"{meta_path}: format_version {meta.get('format_version')!r} != {TOKENIZER_FORMAT_VERSION}")
     return meta

@@ -51,6 +51,7 @@ from mhmoe.train.checkpoint_format import (
     model_is_finite,
     publish_checkpoint,
     verify_checkpoint,
+    warn_if_unsafe_torch,
 )
 from mhmoe.train.dcp_reader import DCP_DIR, load_trainer_state
 from mhmoe.train.dcp_safe import SafeFileSystemReader
@@ -159,6 +160,7 @@ def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     and optimizer, resharding as needed (a collective). Returns the trainer state (no optimizer)."""
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
+    warn_if_unsafe_torch(torch.__version__)
     reader = SafeFileSystemReader(path / DCP_DIR)
     reader.read_metadata()  # refuse a crafted .metadata up front, with a one-line error (every rank reads it)
     sd = _state(model, optimizer, par)
@@ -196,8 +198,9 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
     for path in reversed(list_checkpoints(run_dir)):
         try:
             meta = verify_checkpoint(path)
-            if meta.get("format") == "dcp":  # a refused .metadata falls back like a corrupted checkpoint
+            if meta.get("format") == "dcp":  # a refused .metadata or trainer state falls back like a corrupted one
                 SafeFileSystemReader(path / DCP_DIR).read_metadata()
+                load_trainer_state(path, int(meta["step"]))
         except CheckpointError as exc:
             errors.append(str(exc))
             continue

@@ -25,7 +25,7 @@ from mhmoe.parallel.checkpoint import load_dcp_into, open_latest_dcp, save_dcp_c
 from mhmoe.parallel.data_parallel import ParallelModel, parallelize
 from mhmoe.parallel.env import DistEnv, env_world_size, init_distributed, teardown
 from mhmoe.train.checkpoint import Checkpoint
-from mhmoe.train.loop import TrainResult, train
+from mhmoe.train.loop import LAUNCH_FIELDS, TrainResult, train
 from mhmoe.train.parallelism import SingleProcess
 
 
@@ -88,16 +88,17 @@ class Distributed(SingleProcess):
 
 
 def train_parallel(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
-                   stop_after: int | None = None) -> TrainResult:
+                   stop_after: int | None = None, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> TrainResult:
     """:func:`mhmoe.train.train` on every rank of a torchrun job (``train.parallel`` ddp | fsdp | auto,
     ``train.ep``); a run whose mode resolves to ``none`` trains in this process alone."""
     mode = parallel_mode(run.train)
     if mode == "none":
-        return train(run, run_dir, resume, progress, stop_after)
+        return train(run, run_dir, resume, progress, stop_after, launch_fields=launch_fields)
     owns_pg = not dist.is_initialized()
     env = init_distributed(run.train.device, run.train.ep)
     try:
-        return train(run, run_dir, resume, progress, stop_after, parallelism=Distributed(env, mode))
+        return train(run, run_dir, resume, progress, stop_after, parallelism=Distributed(env, mode),
+                     launch_fields=launch_fields)
     finally:
         if owns_pg:
             teardown()

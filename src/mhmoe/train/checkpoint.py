@@ -20,8 +20,12 @@ directory: meta.json's file names must be relative, without ``..``, and no symli
 may lead out of it.
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash never
-leaves a half-written checkpoint under a real name. Loading verifies sizes and hashes; a corrupted
-or truncated checkpoint is reported in one line and the previous one is used instead.
+leaves a half-written checkpoint under a real name (the temporary directories a killed run leaves are
+removed by the next run, :func:`~mhmoe.train.checkpoint_format.remove_stale_temporaries`). Loading
+verifies sizes and hashes; a corrupted or truncated checkpoint is reported in one line and the
+previous one is used instead. For a resume (``for_resume=True``) the trainer state must also hold
+counters, scheduler and RNG state of the checkpoint's step and an optimizer state that fits the model
+(:func:`~mhmoe.train.checkpoint_format.check_trainer_state`), else it falls back the same way.
 """
 
 from __future__ import annotations
@@ -45,11 +49,14 @@ from mhmoe.train.checkpoint_format import (
     FORMAT_VERSION,
     PREFIX,
     Checkpoint,
+    check_optimizer_state,
+    check_trainer_state,
     first_line,
     list_checkpoints,
     model_is_finite,
     publish_checkpoint,
     verify_checkpoint,
+    warn_if_unsafe_torch,
 )
 from mhmoe.train.dcp_reader import load_dcp_single
 
@@ -80,12 +87,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: LM, run: RunConfig, t
     return final
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-    """Load one verified checkpoint directory."""
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", for_resume: bool = False) -> Checkpoint:
+    """Load one verified checkpoint directory. ``for_resume``: also check that the trainer state holds
+    everything a resume needs (counters at the checkpoint's step, scheduler, RNG, an optimizer state that
+    fits the model), so a damaged one is refused here (and :func:`load_latest` falls back)."""
     path = Path(path)
     meta = verify_checkpoint(path)
+    warn_if_unsafe_torch(torch.__version__)
     if meta.get("format") == "dcp":  # sharded (torch.distributed.checkpoint), see mhmoe.train.dcp_reader
-        return load_dcp_single(path, int(meta["step"]), device)
+        return load_dcp_single(path, int(meta["step"]), device, for_resume)
     try:
         run = RunConfig.load(path / "config.yaml")
         model = LM(run.model)
@@ -94,6 +104,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
             raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]})")
         state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: trainer_state.pt is a {type(state).__name__}, not a dict")
+        if for_resume:
+            check_trainer_state(path, state, int(meta["step"]), with_optimizer=True)
+            check_optimizer_state(path, model, run, state["optimizer"])
         tokenizer = load_tokenizer(path / "tokenizer")
     except CheckpointError:
         raise
@@ -102,23 +117,25 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
     return Checkpoint(path, int(meta["step"]), run, model.to(device), tokenizer, state)
 
 
-def load_latest(run_or_ckpt: str | Path, device: str | torch.device = "cpu", warn: bool = True) -> Checkpoint:
+def load_latest(run_or_ckpt: str | Path, device: str | torch.device = "cpu", warn: bool = True,
+                for_resume: bool = False) -> Checkpoint:
     """Load the newest valid checkpoint of a run directory (or the given checkpoint directory).
 
-    A corrupted or truncated checkpoint prints one line to stderr and falls back to the previous one.
+    A corrupted or truncated checkpoint prints one line to stderr and falls back to the previous one
+    (``for_resume``: also one whose trainer state cannot resume, see :func:`load_checkpoint`).
     """
     p = Path(run_or_ckpt)
     if not p.exists():
         raise CheckpointError(f"{p}: no such run or checkpoint directory")
     if (p / "meta.json").is_file() or p.name.startswith(PREFIX):
-        return load_checkpoint(p, device)
+        return load_checkpoint(p, device, for_resume)
     candidates = list_checkpoints(p)
     if not candidates:
         raise CheckpointError(f"{p}: no checkpoints found (expected {p / CKPT_DIR / 'step_*'})")
     errors = []
     for c in reversed(candidates):
         try:
-            return load_checkpoint(c, device)
+            return load_checkpoint(c, device, for_resume)
         except CheckpointError as exc:
             errors.append(str(exc))
             if warn:

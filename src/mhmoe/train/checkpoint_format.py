@@ -4,10 +4,13 @@ by rename, verification, and the :class:`Checkpoint` a loader returns. See :mod:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -18,10 +21,32 @@ from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
+from mhmoe.train.optim import build_optimizer
 
 FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+#: torch.load(weights_only=True) had code-execution bugs before this version (CVE-2025-32434 before 2.6,
+#: CVE-2026-24747 before 2.10); trainer_state.pt and DCP items are read with it
+SAFE_TORCH = (2, 10)
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", str(version or torch.__version__))[:2])
+    return major, minor
+
+
+@functools.cache
+def warn_if_unsafe_torch(version: str) -> bool:
+    """Once per process and version: a one-line warning when this torch's ``weights_only`` unpickler has
+    known code-execution bugs (see :data:`SAFE_TORCH`). Returns whether the version is unsafe."""
+    if torch_version(version) >= SAFE_TORCH:
+        return False
+    print(f"mhmoe: warning: torch {version} has known code-execution bugs in torch.load(weights_only=True) "
+          "(CVE-2025-32434, CVE-2026-24747): load checkpoints you did not write only with torch >= "
+          f"{SAFE_TORCH[0]}.{SAFE_TORCH[1]}", file=sys.stderr)
+    return True
 
 
 def _sha256(path: Path) -> str:
@@ -66,6 +91,19 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Remove the hidden ``checkpoints/.tmp-*`` directories a killed run left behind (a checkpoint being
+    written when the process died); call only while holding the run directory's lock (no writer is
+    active). Returns what was removed."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.name.startswith(".tmp-") and p.is_dir() and not p.is_symlink()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
 
 
 def _resolves_inside(p: Path, root: Path) -> bool:
@@ -131,6 +169,53 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         if _sha256(f) != sha:
             raise CheckpointError(f"{path}: {name} is corrupted (sha256 mismatch)")
     return meta
+
+
+def _bad(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: trainer_state.pt {what}")
+
+
+def check_trainer_state(path: Path, state: Any, step: int, with_optimizer: bool) -> dict[str, Any]:
+    """The trainer state of checkpoint ``step`` has what a resume needs, with the right types: counters
+    (``step`` equal to the checkpoint's), the LR scheduler at that step, the CPU RNG state and (single-file
+    checkpoints) the optimizer state dict. CheckpointError otherwise, so a resume falls back to an older
+    checkpoint instead of failing half-way."""
+    if not isinstance(state, dict):
+        raise _bad(path, f"is a {type(state).__name__}, not a dict")
+    need = {"step": int, "nan_total": int, "tokens_seen": int, "train_s": (int, float), "scheduler": dict,
+            "rng_cpu": torch.Tensor, **({"optimizer": dict} if with_optimizer else {})}
+    for key, kind in need.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise _bad(path, f"lacks {key!r} (or it is not a {getattr(kind, '__name__', 'number')})")
+    if state["step"] != step or min(state["nan_total"], state["tokens_seen"], state["train_s"]) < 0:
+        raise _bad(path, f"holds step {state['step']} and counters that do not match checkpoint step {step}")
+    sched = state["scheduler"]
+    if sched.get("last_epoch") != step or any(not isinstance(k, str) or k.startswith("__") or k == "optimizer"
+                                              for k in sched):
+        raise _bad(path, f"holds a scheduler state that is not at step {step}")
+    rng = state["rng_cpu"]
+    if rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
+        raise _bad(path, "holds a malformed CPU RNG state")
+    if with_optimizer:
+        opt = state["optimizer"]
+        if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+            raise _bad(path, "holds no optimizer state ('state' and 'param_groups')")
+    return state
+
+
+def check_optimizer_state(path: Path, model: LM, run: RunConfig, saved: dict[str, Any]) -> None:
+    """``saved`` (an AdamW ``state_dict``) fits ``model``: it loads into the run's optimizer and every
+    moment tensor has its parameter's shape; CheckpointError otherwise."""
+    opt = build_optimizer(model, run.train)
+    try:
+        opt.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise _bad(path, f"holds an optimizer state that does not fit the model ({exc.__class__.__name__}: "
+                         f"{first_line(exc)})") from None
+    for p in (q for g in opt.param_groups for q in g["params"]):
+        for k, v in opt.state.get(p, {}).items():
+            if k != "step" and (not isinstance(v, torch.Tensor) or v.shape != p.shape):
+                raise _bad(path, f"holds an optimizer {k!r} of the wrong shape for a {tuple(p.shape)} parameter")
 
 
 @dataclass

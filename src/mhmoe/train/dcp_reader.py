@@ -19,7 +19,7 @@ from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer import load_tokenizer
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint_format import Checkpoint, first_line
+from mhmoe.train.checkpoint_format import Checkpoint, check_optimizer_state, check_trainer_state, first_line
 from mhmoe.train.dcp_safe import read_dcp_full as safe_read_dcp_full
 from mhmoe.train.optim import build_optimizer
 
@@ -36,8 +36,10 @@ def read_dcp_full(path: str | Path) -> dict[str, Any]:
     return full
 
 
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    """``trainer_state.pt`` with ``weights_only=True`` (tensors and plain values; nothing else is unpickled)."""
+def load_trainer_state(path: Path, step: int | None = None, for_resume: bool = True) -> dict[str, Any]:
+    """``trainer_state.pt`` with ``weights_only=True`` (tensors and plain values; nothing else is unpickled);
+    ``for_resume``: checked for what a resume of step ``step`` needs
+    (:func:`~mhmoe.train.checkpoint_format.check_trainer_state`; default step: the one the file records)."""
     try:
         state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- UnpicklingError for a crafted file, OSError, ...
@@ -45,7 +47,9 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
                               f"{first_line(exc)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: trainer_state.pt is a {type(state).__name__}, not a dict")
-    return state
+    if not for_resume:
+        return state
+    return check_trainer_state(path, state, state.get("step") if step is None else step, with_optimizer=False)
 
 
 def _index_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict:
@@ -66,9 +70,10 @@ def _index_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, s
     return {"state": state, "param_groups": groups}
 
 
-def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "cpu") -> Checkpoint:
+def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "cpu",
+                    for_resume: bool = False) -> Checkpoint:
     """A DCP checkpoint as a single-process :class:`~mhmoe.train.checkpoint.Checkpoint` (full model; the
-    trainer state carries the optimizer state in ``optimizer.state_dict()`` form)."""
+    trainer state carries the optimizer state in ``optimizer.state_dict()`` form, checked ``for_resume``)."""
     path = Path(path)
     try:
         run = RunConfig.load(path / "config.yaml")
@@ -78,8 +83,10 @@ def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "c
         if [m for m in missing if not m.startswith("rope_")] or unexpected:
             raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]})")
-        state = load_trainer_state(path)
+        state = load_trainer_state(path, step, for_resume)
         state["optimizer"] = _index_optimizer_state(model, build_optimizer(model, run.train), full["optim"])
+        if for_resume:
+            check_optimizer_state(path, model, run, state["optimizer"])
         tokenizer = load_tokenizer(path / "tokenizer")
     except CheckpointError:
         raise

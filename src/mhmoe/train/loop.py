@@ -10,6 +10,13 @@ Exact resume on CPU: the batch of (step, micro-step) is a pure function of the s
 (:class:`mhmoe.data.BatchSampler`); the optimizer, scheduler and RNG states are checkpointed; so a
 run stopped at step k and resumed produces the same losses, bit for bit, as an uninterrupted run.
 Parallelism comes from outside through a :class:`~mhmoe.train.parallelism.SingleProcess`-like object.
+
+Signals: in a single process, Ctrl-C (SIGINT) and SIGTERM are recorded, not raised
+(:class:`mhmoe.runtime.signals.StopRequests`); the loop acts on them at the next step boundary, so the
+checkpoint it saves there holds exactly the state of its step number, then raises
+:class:`~mhmoe.runtime.signals.Interrupted` (exit status 130 / 143 in the CLI). A second signal aborts at
+once, without saving. Under torchrun a signal raises where it lands and nothing is saved (a sharded
+checkpoint needs every rank). The run directory is locked for the whole run (:mod:`mhmoe.train.lock`).
 """
 
 from __future__ import annotations
@@ -33,13 +40,19 @@ from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
+from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
+from mhmoe.train.checkpoint_format import remove_stale_temporaries
 from mhmoe.train.evaluate import evaluate
+from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 
-LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")  # taken from the command on --resume
+#: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
+#: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
+LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
+LAUNCH_DATA_FIELDS = ("cache_dir",)  # where this machine caches tokens: never a checkpoint's choice
 
 
 @dataclass
@@ -80,17 +93,27 @@ class StepResult:
 
 
 def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
-          stop_after: int | None = None, parallelism: SingleProcess | None = None) -> TrainResult:
-    """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint.
+          stop_after: int | None = None, parallelism: SingleProcess | None = None,
+          launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> TrainResult:
+    """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint (the run's
+    own config, except ``launch_fields`` of ``train`` and :data:`LAUNCH_DATA_FIELDS`, taken from ``run``).
 
     ``stop_after`` ends the loop after that optimizer step (saving a checkpoint), as an interruption
     would -- used to test exact resume. ``parallelism``: how the run is spread over processes (default:
     one process on ``train.device``); torchrun launches go through :func:`mhmoe.parallel.train_parallel`.
+    ``run_dir`` is locked for the whole call (rank 0 holds the lock under torchrun); a second training
+    into it raises ConfigError. A Ctrl-C / SIGTERM raises :class:`~mhmoe.runtime.signals.Interrupted`
+    after saving a checkpoint at the step boundary (single process).
     """
     if parallelism is None:
         check_single_process(run)
         parallelism = SingleProcess(resolve_device(run.train.device))
-    return Trainer(run, Path(run_dir), resume, progress, stop_after, parallelism).run()
+    run_dir = Path(run_dir)
+    if resume and not run_dir.is_dir():
+        raise ConfigError("--out", str(run_dir), "an existing run directory with --resume (it does not exist; "
+                                                 "drop --resume to start a new run)")
+    with RunDirLock(run_dir, enabled=parallelism.is_rank0):
+        return Trainer(run, run_dir, resume, progress, stop_after, parallelism, launch_fields).run()
 
 
 def check_single_process(run: RunConfig) -> None:
@@ -104,20 +127,25 @@ def check_single_process(run: RunConfig) -> None:
         raise ConfigError("train.ep", run.train.ep, "1 without torchrun (expert parallelism needs several processes)")
 
 
-def resumed_run(ckpt: Checkpoint, launch: RunConfig) -> RunConfig:
-    """The checkpoint's run config, with the launch properties (:data:`LAUNCH_FIELDS`) of this command."""
-    train_cfg = {**asdict(ckpt.run.train), **{k: getattr(launch.train, k) for k in LAUNCH_FIELDS}}
-    return RunConfig.from_dict({**ckpt.run.to_dict(), "train": train_cfg})
+def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
+    """The checkpoint's run config, with the launch properties (``launch_fields`` of ``train``,
+    :data:`LAUNCH_DATA_FIELDS` of ``data``) of this command."""
+    d = ckpt.run.to_dict()
+    d["train"].update({k: getattr(launch.train, k) for k in launch_fields})
+    d["data"].update({k: getattr(launch.data, k) for k in LAUNCH_DATA_FIELDS})
+    return RunConfig.from_dict(d)
 
 
 class Trainer:
     """One training run. Built by :func:`train`; every method is one named piece of the loop."""
 
     def __init__(self, run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
-                 par: SingleProcess) -> None:
+                 par: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> None:
         self.run_dir, self.par, self.stop_after = run_dir, par, stop_after
-        self.ckpt = self._open_resume(run, resume)
-        self.run_cfg = resumed_run(self.ckpt, run) if self.ckpt else run
+        if par.is_rank0:
+            remove_stale_temporaries(run_dir)  # left by a killed run (the lock says none is writing now)
+        self.ckpt = self._open_resume(run, resume, launch_fields)
+        self.run_cfg = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else run
         self.cfg = self.run_cfg.train
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
@@ -137,22 +165,28 @@ class Trainer:
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
         self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
         self.nan_run = 0
+        self.nan_at_start = self.state.nan_total
+        self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
+        self.stop = StopRequests(enabled=False)  # replaced by run(): signals deferred to step boundaries
         self.pending: list[StepResult] = []  # steps whose finiteness the host has not read yet
         self.window = (time.perf_counter(), self.state.tokens_seen)  # (time, tokens) at the last log
 
     # ---- setup --------------------------------------------------------------------------------
-    def _open_resume(self, run: RunConfig, resume: bool) -> Checkpoint | None:
+    def _open_resume(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> Checkpoint | None:
         has_ckpt = bool(list_checkpoints(self.run_dir))
         if has_ckpt and not resume:
             raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
                                                           "continue)")
         if not has_ckpt:
+            if resume and self.par.is_rank0:
+                print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting from step 0", file=sys.stderr)
             return None
         ckpt = self.par.load_checkpoint(self.run_dir)
         if self.par.is_rank0:
+            taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
+            taken.append("data.cache_dir")
             print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
-                  f"train.max_steps={run.train.max_steps}, threads, parallel and ep are taken from this command)",
-                  file=sys.stderr)
+                  f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
     def _prepare_data(self, progress: bool) -> PreparedData:
@@ -275,19 +309,21 @@ class Trainer:
         """Checkpoint the current step (atomic; older checkpoints pruned to ``train.keep_last``)."""
         self.par.save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer, self.run_cfg,
                                  self.data.tokenizer, self.trainer_state(), self.cfg.keep_last)
+        self.saved_step = self.state.step
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        try:
-            self._loop()
-        except KeyboardInterrupt:
-            self.bar.close()
-            self._save_interrupted()
-            if self.metrics is not None:
-                self.metrics.close()
-            raise
-        self.bar.close()
-        return self.finish()
+        """The loop, then :meth:`finish`. Ctrl-C / SIGTERM are deferred to step boundaries in a single
+        process (:meth:`stop_if_requested`)."""
+        with StopRequests(enabled=self.par.saves_alone) as self.stop:
+            try:
+                self._loop()
+                res = self.finish()
+            finally:
+                self.bar.close()
+                if self.metrics is not None:
+                    self.metrics.close()
+        return res
 
     def _loop(self) -> None:
         cfg, st = self.cfg, self.state
@@ -310,21 +346,37 @@ class Trainer:
                 self.evaluate(st.step)
             if due["ckpt"]:
                 self.save()
+            self.stop_if_requested()  # the step boundary: weights, optimizer, scheduler and counters agree
             if due["stop"]:
                 break
         self.settle()
 
-    def _save_interrupted(self) -> None:
-        step = self.state.step
-        if self.par.saves_alone and self.start < step < self.cfg.max_steps:
+    def stop_if_requested(self) -> None:
+        """At a step boundary, after a Ctrl-C / SIGTERM: checkpoint the current step (unless it is saved
+        already or no step ran) and raise :class:`~mhmoe.runtime.signals.Interrupted` saying so."""
+        signum = self.stop.signum
+        if signum is None:
+            return
+        self.settle()
+        st, name = self.state, signal_name(signum)
+        if st.step > self.start and self.saved_step != st.step:
             self.save()
-            print(f"mhmoe: interrupted; checkpoint saved at step {step} (continue with --resume)", file=sys.stderr)
+        if self.saved_step == st.step and st.step > self.start:
+            raise Interrupted(signum, f"interrupted ({name}) at step {st.step}: checkpoint saved "
+                                      f"(continue with --resume)")
+        raise Interrupted(signum, f"interrupted ({name}) at step {st.step}: nothing new to save")
 
     def finish(self) -> TrainResult:
-        """Final checkpoint and evaluation; results.json (rank 0)."""
+        """Final checkpoint and evaluation; results.json (rank 0). A run whose every step was skipped as
+        non-finite saves nothing and raises RuntimeError."""
         st, res = self.state, self.result
+        ran = st.step - self.start
+        if ran and st.nan_total - self.nan_at_start >= ran:
+            raise RuntimeError(f"stopping: all {ran} steps were skipped as non-finite (last step {st.step}); nothing "
+                               "saved: lower train.lr, check the config (e.g. model.norm_eps) or use float32")
         if st.step > self.start or not list_checkpoints(self.run_dir):
             self.save()
+        self.stop_if_requested()  # before the final evaluation (the checkpoint is on disk)
         if st.step >= self.cfg.max_steps:
             self.evaluate(st.step)
         res.step, res.nan_skips, res.wall_s = st.step, st.nan_total, st.train_s

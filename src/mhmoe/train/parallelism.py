@@ -78,7 +78,7 @@ class SingleProcess:
 
     def load_checkpoint(self, run_dir: Path) -> Checkpoint:
         """The newest valid checkpoint of ``run_dir`` to resume from."""
-        return load_latest(run_dir)
+        return load_latest(run_dir, for_resume=True)
 
     def restore(self, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load the optimizer state of ``ckpt`` (the model came with it); return its trainer state. The
