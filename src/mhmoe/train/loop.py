@@ -37,6 +37,7 @@ from mhmoe.train.evaluate import evaluate, forward_flops_per_token
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
+from mhmoe.train.plots import update_run_plot
 
 LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")  # taken from the command on --resume
 
@@ -258,6 +259,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
+            update_run_plot(self.run_dir)  # RUN/curves.png
         self.result.eval = res
         return res
 
