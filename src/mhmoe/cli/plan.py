@@ -40,13 +40,18 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_plan)
 
 
-def _run_plan(args: argparse.Namespace) -> int:
-    result = plan(
+def plan_from_args(args: argparse.Namespace):
+    """The :class:`~mhmoe.config.planner.Plan` of parsed ``mhmoe plan`` arguments."""
+    return plan(
         args.d_model, args.d_ff, args.experts, args.top_k, args.ffn, heads=args.heads, mh_top_k=args.mh_top_k,
         parity=args.parity, match=args.match, head_layer=not args.no_head, merge_layer=not args.no_merge,
         mlp_layers=args.mlp_layers, mh_experts=args.mh_experts, mh_d_ff=args.mh_d_ff,
         include_router=args.include_router, shared=args.shared, d_shared=args.d_shared or args.d_ff,
     )
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    result = plan_from_args(args)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
 

@@ -190,9 +190,12 @@ def _add_generate(sub) -> None:
 def _run_generate(args) -> int:
     from mhmoe.train.pretrained import check_sampling, load
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    model = load(args.checkpoint, args.device)
-    print(model.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        model = load(args.checkpoint, args.device)
+        print(model.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
+    except ConfigError as exc:  # name the flag, not the Python parameter
+        raise ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None
     return 0
 
 
