@@ -135,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="parts to leave out")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: stdout)")
     args = ap.parse_args(argv)
+    command = "python benchmarks/data_stats.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict = {"date": datetime.date.today().isoformat(), "machine": {"cpu": cpu_info()[0],
                     "python": platform.python_version(), "platform": platform.platform()},
-                    "packages": packages(), "skipped": [],
-                    "command": "python benchmarks/data_stats.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+                    "packages": packages(), "skipped": [], "command": command}
     corpora, timings = {}, {}
     for name in TEXT_CORPORA:
         try:

@@ -263,6 +263,8 @@ def table_numbers(table: Table) -> list[DocNumber]:
 
 def source_values(path: Path) -> list[float]:
     """Every number in a JSON file (any depth; numeric strings too) or a CSV file (every cell)."""
+    if path.suffix not in (".json", ".csv"):
+        raise ValueError(f"{path}: a source must be a .json or .csv file")
     text = path.read_text(encoding="utf-8")
     values: list[float] = []
 
@@ -285,12 +287,10 @@ def source_values(path: Path) -> list[float]:
 
     if path.suffix == ".json":
         add(json.loads(text))
-    elif path.suffix == ".csv":
+    else:
         for row in csv.reader(io.StringIO(text)):
             for cell in row:
                 add(cell)
-    else:
-        raise ValueError(f"{path}: a source must be a .json or .csv file")
     return [v for v in values if math.isfinite(v)]
 
 

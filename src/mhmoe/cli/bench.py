@@ -42,7 +42,7 @@ def _add_bench(sub) -> None:
                    help="peer MoE libraries to time (st_moe, moe; default: those installed -- the `bench` extra); "
                    "--peers with no name skips them")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (--json alone: to "
-                   "stdout instead of the table)")
+                   "stdout instead of the table; default: the table only)")
     p.set_defaults(func=_run_bench)
 
 

@@ -134,7 +134,8 @@ def run_eval_tasks(args: argparse.Namespace) -> int:
 
 def add_harness_args(p: argparse.ArgumentParser, tasks_required: bool) -> None:
     p.add_argument("--tasks", required=tasks_required, help="comma-separated lm-eval tasks (local: mhmoe_kjv_cloze, "
-                   "mhmoe_kjv_ppl; standard ones need their datasets cached, docs/DOWNSTREAM.md)")
+                   "mhmoe_kjv_ppl; standard ones need their datasets cached, docs/DOWNSTREAM.md)"
+                   + ("" if tasks_required else "; default: none, perplexity on the validation sets"))
     p.add_argument("--limit", type=float, metavar="N", help="examples per task, or a fraction < 1 (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass for log-likelihoods")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)")

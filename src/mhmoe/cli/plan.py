@@ -59,7 +59,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 # ---- presets ---------------------------------------------------------------------------------------
 def _add_presets(sub) -> None:
     p = sub.add_parser("presets", help="list the named presets, or print one as YAML")
-    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML (a valid --config file)")
+    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML, a valid --config file "
+                   "(default: list all presets)")
     p.add_argument("--json", action="store_true", help="print JSON instead")
     p.set_defaults(func=_run_presets)
 

@@ -89,7 +89,7 @@ def _add_train(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="tiny-mh3", help="preset name (list: `mhmoe presets`)")
     src.add_argument("--config", metavar="YAML", help="a YAML run config (as printed by `mhmoe presets --show NAME`) "
-                     "instead of --preset")
+                     "instead of --preset (default: none, the preset)")
     p.add_argument("--out", required=True, metavar="RUN", help="run directory (created if missing)")
     add_run_flags(p)
     p.add_argument("--resume", action="store_true", help=RESUME_HELP)

@@ -73,11 +73,12 @@ def _darwin_bf16() -> bool | None:
 
 def bf16_warning(device: str, dtype: str, native: bool | None = None) -> str | None:
     """The warning for running ``dtype`` on ``device`` ("cpu" / "cuda"), or None when there is nothing to say:
-    only bfloat16 on a CPU known to lack native bf16 gets one."""
+    only bfloat16 on a CPU known to lack native bf16 gets one. ``native``: the answer of
+    :func:`native_bf16` if already known (None: ask it)."""
     if dtype not in ("bfloat16", "bf16") or not str(device).startswith("cpu"):
         return None
     if (native_bf16() if native is None else native) is not False:
         return None
     model = cpu_info()[0] or "this CPU"
     return (f"{model} has no native bf16 instructions (avx512_bf16/amx_bf16): bfloat16 runs {SLOWDOWN} slower "
-            "than float32 here; use --dtype float32 (docs/PERFORMANCE.md, 'bf16 on CPUs')")
+            "than float32 here; use --dtype float32 (README: 'CPUs, GPUs and bf16')")
