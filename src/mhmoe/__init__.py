@@ -30,7 +30,6 @@ _EXPORTS = {
                   "load_balancing_loss", "router_z_loss"),
     "mhmoe.model": ("LM", "LMOutput", "generate"),
     "mhmoe.data": ("Tokenizer", "load_tokenizer"),
-    "mhmoe.train": ("train",),
     "mhmoe.train.checkpoint": ("load_latest",),
     "mhmoe.train.pretrained": ("Pretrained", "load"),
 }
@@ -82,6 +81,5 @@ if TYPE_CHECKING:  # static analysers see the real names
         load_balancing_loss,
         router_z_loss,
     )
-    from mhmoe.train import train
     from mhmoe.train.checkpoint import load_latest
     from mhmoe.train.pretrained import Pretrained, load
