@@ -21,8 +21,11 @@ system-deps:
 	@bash scripts/install-system-deps.sh
 
 ## The main job: train + evaluate tiny-dense, tiny-smoe, tiny-mh3 on the KJV corpus, print a table.
+## `make demo STEPS=10`: the same, 10 steps per model, into runs/demo-10steps (a quick look).
+STEPS ?=
+DEMO_OUT ?= runs/demo$(if $(STEPS),-$(STEPS)steps)
 demo: install system-deps
-	$(BIN)/mhmoe compare --presets tiny-dense tiny-smoe tiny-mh3 --out runs/demo
+	$(BIN)/mhmoe compare --presets tiny-dense tiny-smoe tiny-mh3 --out $(DEMO_OUT) $(if $(STEPS),--max-steps $(STEPS))
 
 ## The test suite (what CI runs).
 test: install system-deps

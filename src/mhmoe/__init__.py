@@ -1,5 +1,12 @@
 """mhmoe: Multi-Head Mixture-of-Experts layers, parity planner and language models.
 
+    import mhmoe
+    cfg = mhmoe.get_preset("tiny-mh3").model           # a ModelConfig (vocab_size from the tokenizer)
+    model = mhmoe.LM(cfg)                              # or mhmoe.LM.from_pretrained("runs/mh3")
+    model.save_pretrained("saved/mh3")                 # config.json + model.safetensors
+    lm = mhmoe.load("runs/mh3")                        # model + tokenizer of a run / checkpoint / saved dir
+    print(lm.generate("In the beginning", max_new_tokens=20))
+
 Layers, bottom up (each imports only the ones below it; docs/ARCHITECTURE.md):
 ``config`` (dataclasses, planner, presets) -> ``quant`` -> ``moe`` (layers, routers, dispatch) ->
 ``model`` / ``data`` -> ``train`` -> ``parallel`` -> ``research`` / ``integrations`` -> ``cli``.
@@ -22,6 +29,9 @@ _EXPORTS = {
                   "RoutingStats", "SharedExperts", "build_ffn_layer", "build_router", "entropy_loss",
                   "load_balancing_loss", "router_z_loss"),
     "mhmoe.model": ("LM", "LMOutput", "generate"),
+    "mhmoe.data": ("Tokenizer", "load_tokenizer"),
+    "mhmoe.train.checkpoint": ("load_latest",),
+    "mhmoe.train.pretrained": ("Pretrained", "load"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -52,6 +62,7 @@ if TYPE_CHECKING:  # static analysers see the real names
         plan,
         preset_names,
     )
+    from mhmoe.data import Tokenizer, load_tokenizer
     from mhmoe.errors import CheckpointError, ConfigError, DataError
     from mhmoe.model import LM, LMOutput, generate
     from mhmoe.moe import (
@@ -70,3 +81,5 @@ if TYPE_CHECKING:  # static analysers see the real names
         load_balancing_loss,
         router_z_loss,
     )
+    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.train.pretrained import Pretrained, load

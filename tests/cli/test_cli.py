@@ -255,17 +255,25 @@ def test_compare_two_tiny_presets(setup, tmp_path, capsys):
         argv += ["--set", s]
     assert main(argv + ["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    rows = {r["preset"]: r for r in res["rows"]}
+    rows = {r["label"]: r for r in res["runs"]}
     assert set(rows) == {"tiny-dense", "tiny-mh3"}
-    for r in rows.values():
-        assert r["step"] == 2 and "corpus" in r["eval"] and r["fwd_flops_per_token"] > 0
+    for name, r in rows.items():
+        assert r["step"] == 2 and "corpus" in r["eval"] and r["fwd_flops_per_token"] > 0 and r["preset"] == name
+        assert Path(r["run_dir"]) == tmp_path / "cmp" / name / "seed0"  # the suite layout
     assert rows["tiny-mh3"]["params"] > rows["tiny-dense"]["params"]
+    for f in ("results.md", "results.csv", "results.json", "curves.png"):
+        assert (tmp_path / "cmp" / f).stat().st_size > 0, f
+    saved = json.loads((tmp_path / "cmp" / "results.json").read_text())
+    assert [m["model"] for m in saved["models"]] == ["tiny-dense", "tiny-mh3"] and len(saved["runs"]) == 2
     # a second call reuses the finished runs and prints the markdown table
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "finished earlier" in captured.err
     table = [ln for ln in captured.out.splitlines() if ln.startswith("|")]
     assert table[0].startswith("| model | params | fwd FLOPs/token | ppl corpus |") and len(table) == 4
+    # the same suite with another config is refused (one line), not silently reused
+    assert main(argv + ["--lr", "0.5"]) == 2
+    assert "train.lr" in _one_line_error(capsys, "mhmoe compare: error:")
 
 
 # ---- the throughput benchmark script --------------------------------------------------------------------------------

@@ -4,10 +4,11 @@
 convert-checkpoint), ``research`` (reproduce, analyze), ``ecosystem`` (downstream, make-tasks and the
 transformers / lm-eval handlers). Every module lists ``PARSER_BUILDERS``: functions that add a
 subcommand whose parser sets ``func``; the handlers turn the parsed arguments into typed configs and
-call the library with those only. Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and file-system
-errors) and running out of memory print one line to stderr and exit with status 2; no traceback. Ctrl-C and
-SIGTERM, also during start-up, print one line and exit 130 / 143 (a training saves a checkpoint first,
-see :mod:`mhmoe.train.loop`).
+call the library with those only. Every option has a help text and ``--help`` shows its default
+(:class:`HelpFormatter`); warnings are printed once, as one line, on rank 0 (:mod:`mhmoe.runtime.console`).
+Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and file-system errors) and running out of
+memory print one line to stderr and exit with status 2; no traceback. Ctrl-C and SIGTERM, also during
+start-up, print one line and exit 130 / 143 (a training saves a checkpoint first, see :mod:`mhmoe.train.loop`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from mhmoe.runtime.console import one_line_warnings
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.signals import raise_on_sigterm
 
@@ -28,7 +30,25 @@ def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
             + research.PARSER_BUILDERS + ecosystem.PARSER_BUILDERS)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says what the default is or
+    there is nothing to show (a flag, or a default of None meaning "not set")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
 
@@ -62,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             command = f"mhmoe {args.command}"
             malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
-            return int(args.func(args) or 0)
+            with one_line_warnings():
+                return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:
         print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

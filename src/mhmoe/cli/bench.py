@@ -6,19 +6,35 @@ import json
 import sys
 from pathlib import Path
 
+from mhmoe.cli.train import warn_slow_bf16
 from mhmoe.errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16")
+
+
+def default_dtypes(device: str) -> list[str]:
+    """float32 and bfloat16, except on a CPU without native bf16 (float32 only, with a note on stderr)."""
+    from mhmoe.runtime.console import warn_line
+    from mhmoe.runtime.cpu import native_bf16
+
+    if device == "cpu" and native_bf16() is False:
+        warn_line("this CPU has no native bf16: timing float32 only (add --dtypes float32 bfloat16 for both)")
+        return ["float32"]
+    return list(DTYPE_NAMES)
 
 
 # ---- bench -----------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (moe: MoE layer paths vs masked loop vs same-FLOPs dense FFN)")
     p.add_argument("what", choices=["moe"], help="which benchmark")
-    p.add_argument("--configs", nargs="+", default=["smoe", "fgmoe", "mh2", "mh3"],
-                   help="smoe fgmoe mh2 mh3 (the v2 paper's parity models at d=768)")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--configs", nargs="+", default=["smoe", "fgmoe", "mh2", "mh3"], metavar="CONFIG",
+                   help="layers to time: smoe fgmoe mh2 mh3 (the v2 paper's parity models at d=768)")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPE_NAMES), metavar="DTYPE",
+                   help="float32 bfloat16 (default: both, but float32 only on a CPU without native bf16, where "
+                   "bf16 runs ~100x slower)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per layer call")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (the median is reported)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     p.add_argument("--no-loop", action="store_true", help="skip the (slow) masked-loop baseline")
     p.add_argument("--no-input-grad", action="store_true",
                    help="fwd_bwd without the layer input's gradient (default: with it, as inside a network)")
@@ -26,7 +42,8 @@ def _add_bench(sub) -> None:
                    help="peer MoE layers to time (st_moe, moe, hf_eager, hf_grouped_mm, hf_batched_mm; default: on "
                    "CUDA the transformers block's three backends, on CPU every installed peer but hf_eager); "
                    "--peers with no name skips them")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (--json alone: to "
+                   "stdout instead of the table; default: the table only)")
     p.set_defaults(func=_run_bench)
 
 
@@ -34,6 +51,8 @@ def _run_bench(args) -> int:
     from mhmoe.research.bench import CONFIGS, DTYPES, format_rows, run_benchmark
     from mhmoe.runtime.device import resolve_device
 
+    device = resolve_device(args.device, "--device")
+    args.dtypes = args.dtypes or default_dtypes(device.type)
     bad = [c for c in args.configs if c not in CONFIGS] + [d for d in args.dtypes if d not in DTYPES]
     if bad or args.tokens < 1 or args.repeats < 1:
         raise ConfigError("bench", bad or (args.tokens, args.repeats),
@@ -45,6 +64,8 @@ def _run_bench(args) -> int:
     missing = [p for p in peers if p not in installed_peers()]
     if missing:
         raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench,hf]')")
+    if "bfloat16" in args.dtypes:
+        warn_slow_bf16(device.type, "bfloat16")
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
                            with_loop=not args.no_loop, peers=tuple(peers), input_grad=not args.no_input_grad,
                            progress=lambda m: print(f"[bench] {m}", file=sys.stderr))

@@ -134,21 +134,23 @@ def run_eval_tasks(args: argparse.Namespace) -> int:
 
 def add_harness_args(p: argparse.ArgumentParser, tasks_required: bool) -> None:
     p.add_argument("--tasks", required=tasks_required, help="comma-separated lm-eval tasks (local: mhmoe_kjv_cloze, "
-                   "mhmoe_kjv_ppl; standard ones need their datasets cached, docs/DOWNSTREAM.md)")
-    p.add_argument("--limit", type=float, help="examples per task (or a fraction < 1)")
+                   "mhmoe_kjv_ppl; standard ones need their datasets cached, docs/DOWNSTREAM.md)"
+                   + ("" if tasks_required else "; default: none, perplexity on the validation sets"))
+    p.add_argument("--limit", type=float, metavar="N", help="examples per task, or a fraction < 1 (default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass for log-likelihoods")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
-    p.add_argument("--include-path", action="append", metavar="DIR", help="extra lm-eval task YAML directory")
+    p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples (default: the task's)")
+    p.add_argument("--include-path", action="append", metavar="DIR", help="extra lm-eval task YAML directory "
+                   "(repeatable; default: only the shipped tasks and lm-eval's own)")
 
 
 # ---- downstream ------------------------------------------------------------------------------------
 def _add_downstream(sub) -> None:
     p = sub.add_parser("downstream", help="lm-eval tasks on several checkpoints: one table (rows = models)")
-    p.add_argument("--checkpoints", nargs="+", required=True, metavar="RUN",
-                   help="run or checkpoint directories (label: the run's preset name, else the directory name)")
-    p.add_argument("--labels", nargs="+", help="row labels, one per checkpoint")
+    p.add_argument("--checkpoints", nargs="+", required=True, metavar="RUN", help="run or checkpoint directories")
+    p.add_argument("--labels", nargs="+", metavar="LABEL", help="row labels, one per checkpoint (default: the run "
+                   "directory's name; for RUN/seed<k>, the parent's)")
     add_harness_args(p, tasks_required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
     p.set_defaults(func=_run_downstream)
 
 
@@ -208,16 +210,24 @@ def format_downstream(rows: list[dict], tasks: list[str]) -> str:
 
 # ---- make-tasks ------------------------------------------------------------------------------------
 def _add_make_tasks(sub) -> None:
-    p = sub.add_parser("make-tasks", help="(re)build the offline lm-eval tasks from the KJV held-out split")
-    p.add_argument("out", nargs="?", help="output directory (default: the package's mhmoe/tasks/)")
+    p = sub.add_parser("make-tasks", help="(re)build the offline lm-eval tasks from the KJV held-out split",
+                       description="Write kjv_cloze.jsonl, kjv_ppl.jsonl and their task YAML files into OUT (the "
+                       "shipped copies: src/mhmoe/integrations/tasks/).")
+    p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
     p.add_argument("--absolute", action="store_true", help="absolute data_files paths (for lm_eval --include_path)")
+    p.add_argument("--force", action="store_true", help="replace task files that already exist in OUT")
     p.set_defaults(func=_run_make_tasks)
 
 
 def _run_make_tasks(args) -> int:
-    from mhmoe.integrations.lmeval_tasks import TASKS_DIR, build_tasks
+    from mhmoe.integrations.lmeval_tasks import TASK_NAMES, build_tasks
 
-    out = Path(args.out) if args.out else TASKS_DIR
+    out = Path(args.out)
+    names = [f"{n}.yaml" for n in TASK_NAMES] + ["kjv_cloze.jsonl", "kjv_ppl.jsonl"]
+    existing = [n for n in names if (out / n).exists()]
+    if existing and not args.force:
+        raise ConfigError("OUT", str(out), f"a directory without task files (it has {existing[0]}; pass --force to "
+                          "replace them)")
     counts = build_tasks(out, absolute_paths=args.absolute)
     for name, n in counts.items():
         print(f"{out / (name + '.yaml')}: {n} examples")

@@ -30,10 +30,12 @@ def _add_export(sub) -> None:
     fmt.add_argument("--hf", action="store_true", help="transformers from_pretrained directory (safetensors, "
                      "config.json, tokenizer.json); OUT must not exist or be empty")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="output directory (model.bitnet.safetensors, config.yaml, tokenizer/); "
-                   "must not exist or be empty")
-    p.add_argument("--float-dtype", default="float32", help="float32 | bfloat16: dtype of the unquantized tensors")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("out", metavar="OUT", help="output directory, which must not exist or be empty (--bitnet: "
+                   "model.bitnet.safetensors, config.yaml, tokenizer/; --hf: config.json, model.safetensors, "
+                   "tokenizer.json)")
+    p.add_argument("--float-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="--bitnet: dtype of the tensors that stay unquantized")
+    p.add_argument("--json", action="store_true", help="print the export report as JSON")
     p.set_defaults(func=_run_export)
 
 
@@ -90,7 +92,7 @@ def _add_convert(sub) -> None:
                        "sharded torch.distributed.checkpoint (DCP)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
     p.add_argument("out", metavar="OUT", help="a new (or empty) run directory to write OUT/checkpoints/step_N into")
-    p.add_argument("--to", required=True, help="safetensors | dcp")
+    p.add_argument("--to", required=True, choices=["safetensors", "dcp"], help="target format")
     p.set_defaults(func=_run_convert)
 
 

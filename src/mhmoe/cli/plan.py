@@ -14,35 +14,44 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         description="Size an MH-MoE layer (expert width F_h, expert count E_h) so that its FLOPs per token "
         "and parameters match a baseline SMoE layer (Huang et al. 2024, Eq.6-10, generalised).",
     )
-    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--d-model", type=int, default=768, help="model width d")
     p.add_argument("--d-ff", type=int, default=2048, help="baseline expert hidden width F_b")
     p.add_argument("--experts", type=int, default=8, help="baseline expert count E_b")
     p.add_argument("--top-k", type=int, default=1, help="baseline top-k")
-    p.add_argument("--ffn", default="swiglu", help="relu | swiglu")
+    p.add_argument("--ffn", default="swiglu", choices=["relu", "swiglu"], help="expert FFN type")
     p.add_argument("--heads", type=int, default=2, help="MH-MoE heads h")
     p.add_argument("--mh-top-k", type=int, default=None,
                    help="MH-MoE top-k (default: h for --parity flops, --top-k for --parity params)")
-    p.add_argument("--mh-experts", type=int, default=None, help="fix E_h and evaluate")
-    p.add_argument("--mh-d-ff", type=int, default=None, help="fix F_h and evaluate")
-    p.add_argument("--parity", default="flops", help="flops (FLOPs and params, v2 paper) | params (ICML: same E)")
-    p.add_argument("--match", default="leading", help="leading (paper Eq.8) | exact (solve exact FLOPs)")
+    p.add_argument("--mh-experts", type=int, default=None, help="fix E_h and evaluate it (default: solved for "
+                   "parameter parity)")
+    p.add_argument("--mh-d-ff", type=int, default=None, help="fix F_h and evaluate it (default: solved for FLOPs "
+                   "parity)")
+    p.add_argument("--parity", default="flops", choices=["flops", "params"],
+                   help="flops: FLOPs and parameters (v2 paper); params: parameters only, same E (ICML paper)")
+    p.add_argument("--match", default="leading", choices=["leading", "exact"],
+                   help="leading: solve the paper's Eq.8 on leading terms; exact: solve the exact FLOPs")
     p.add_argument("--no-head", action="store_true", help="MH-MoE without the head layer")
     p.add_argument("--no-merge", action="store_true", help="MH-MoE without the merge layer")
     p.add_argument("--mlp-layers", type=int, default=1, help="layers n in each head/merge MLP (0..3)")
     p.add_argument("--shared", type=int, default=0, help="shared experts (same in both models)")
-    p.add_argument("--d-shared", type=int, default=0, help="shared expert width (default --d-ff)")
+    p.add_argument("--d-shared", type=int, default=0, help="shared expert width (default: --d-ff)")
     p.add_argument("--include-router", action="store_true", help="count router FLOPs and parameters")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (Plan.to_dict())")
     p.set_defaults(func=_run_plan)
 
 
-def _run_plan(args: argparse.Namespace) -> int:
-    result = plan(
+def plan_from_args(args: argparse.Namespace):
+    """The :class:`~mhmoe.config.planner.Plan` of parsed ``mhmoe plan`` arguments."""
+    return plan(
         args.d_model, args.d_ff, args.experts, args.top_k, args.ffn, heads=args.heads, mh_top_k=args.mh_top_k,
         parity=args.parity, match=args.match, head_layer=not args.no_head, merge_layer=not args.no_merge,
         mlp_layers=args.mlp_layers, mh_experts=args.mh_experts, mh_d_ff=args.mh_d_ff,
         include_router=args.include_router, shared=args.shared, d_shared=args.d_shared or args.d_ff,
     )
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    result = plan_from_args(args)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
     return 0
 
@@ -50,8 +59,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 # ---- presets ---------------------------------------------------------------------------------------
 def _add_presets(sub) -> None:
     p = sub.add_parser("presets", help="list the named presets, or print one as YAML")
-    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML, a valid --config file "
+                   "(default: list all presets)")
+    p.add_argument("--json", action="store_true", help="print JSON instead")
     p.set_defaults(func=_run_presets)
 
 

@@ -1,24 +1,29 @@
-"""Research subcommands of the ``mhmoe`` CLI: reproduce (paper tables) and analyze (routing)."""
+"""Research subcommands of the ``mhmoe`` CLI: reproduce (paper tables), analyze (routing) and plot (curves of
+any runs together)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _add_reproduce(sub) -> None:
     from mhmoe.research.reproduce import SUITE_SCALES, SUITES
 
     p = sub.add_parser("reproduce", help="train + evaluate the matched models of a paper table",
-                       description="Suites: " + ", ".join(SUITES))
-    p.add_argument("suite", help=" | ".join(SUITES))
-    p.add_argument("--scale", default="tiny", help=" | ".join(SUITE_SCALES))
-    p.add_argument("--seeds", type=int, default=1)
+                       description="Train and evaluate the rows of a paper table into OUT/<row>/seed<k>/ and write "
+                       "OUT/results.md (ours beside the paper's), results.csv, results.json and curves.png. "
+                       "Suites: " + ", ".join(SUITES))
+    p.add_argument("suite", metavar="SUITE", choices=list(SUITES), help=" | ".join(SUITES))
+    p.add_argument("--scale", default="tiny", choices=list(SUITE_SCALES), help="model size of every row")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per row (seed k trains with train.seed + k)")
     p.add_argument("--tokens", type=int, help="training token budget per run (default: the preset's)")
-    p.add_argument("--out", help="output directory (default runs/reproduce/SUITE-SCALE)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", metavar="DIR", help="suite directory (default: runs/reproduce/SUITE-SCALE)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run (repeatable; "
+                   "default: none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: write the tables and curves from the runs that already finished")
     p.set_defaults(func=_run_reproduce)
@@ -36,28 +41,30 @@ def _run_reproduce(args: argparse.Namespace) -> int:
 
 
 def _add_analyze(sub) -> None:
-    p = sub.add_parser("analyze", help="expert activation, sub-token assign diversity, entropy, load imbalance")
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--out", help="output directory (default CHECKPOINT/analysis)")
+    p = sub.add_parser("analyze", help="expert activation, sub-token assign diversity, entropy, load imbalance",
+                       description="Route held-out text through a checkpoint and write activation.png/csv, "
+                       "diversity.png/csv and summary.json into RUN/analysis/.")
+    p.add_argument("--checkpoint", required=True, metavar="RUN", help="run directory or checkpoint directory")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: RUN/analysis, in the run directory "
+                   "even when a checkpoint directory is given)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
-    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batches", type=int, default=8, help="evaluation batches to route")
     p.add_argument("--threshold", type=float, default=0.01, help="activation threshold (selections per token)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run the model")
+    p.add_argument("--json", action="store_true", help="print summary.json")
     p.set_defaults(func=_run_analyze)
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from mhmoe.errors import ConfigError
     from mhmoe.research.analysis import analyze_checkpoint
     from mhmoe.runtime.device import resolve_device
 
     if args.batches < 1 or not 0 <= args.threshold:
         raise ConfigError("--batches/--threshold", (args.batches, args.threshold), "--batches >= 1, --threshold >= 0")
-    out = args.out or str(Path(args.checkpoint) / "analysis")
+    out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
     summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold,
-                                 str(resolve_device("auto")))
+                                 str(resolve_device(args.device, "--device")))
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
     else:
@@ -70,4 +77,41 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_reproduce, _add_analyze]
+def run_directory(path: Path) -> Path:
+    """The run directory of a checkpoint directory (``RUN/checkpoints/step_N`` -> ``RUN``), else ``path``."""
+    if path.parent.name == "checkpoints" and path.name.startswith("step_"):
+        return path.parent.parent
+    return path
+
+
+# ---- plot ------------------------------------------------------------------------------------------
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="training and validation curves of any runs in one PNG",
+                       description="Draw the training loss and the validation perplexity of every RUN (a run "
+                       "directory, or a compare/reproduce directory: all its runs, seeds averaged per model).")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories or suite directories")
+    p.add_argument("--out", metavar="PNG", help="output file (default: RUN/curves.png when one RUN is given; "
+                   "required for several)")
+    p.add_argument("--labels", nargs="+", metavar="LABEL", help="one legend label per RUN (default: the directory "
+                   "names; for RUN/seed<k>, the parent's)")
+    p.add_argument("--title", default="", help="figure title (default: none)")
+    p.set_defaults(func=_run_plot)
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from mhmoe.errors import ConfigError
+    from mhmoe.research.report import collect_curves
+    from mhmoe.train.plots import plot_curves
+
+    if args.labels and len(args.labels) != len(args.runs):
+        raise ConfigError("--labels", len(args.labels), f"one label per RUN ({len(args.runs)})")
+    if not args.out and len(args.runs) > 1:
+        raise ConfigError("--out", None, "a PNG path (required with several RUNs)")
+    curves = collect_curves([Path(r) for r in args.runs], args.labels)
+    out = Path(args.out or Path(args.runs[0]) / "curves.png")
+    plot_curves(curves, out, args.title)
+    print(f"{out}: {len(curves)} curve{'s' if len(curves) != 1 else ''} ({', '.join(c.label for c in curves)})")
+    return 0
+
+
+PARSER_BUILDERS = [_add_reproduce, _add_analyze, _add_plot]

@@ -1,4 +1,8 @@
-"""Training-stack subcommands of the ``mhmoe`` CLI: presets, train, eval, generate, compare, bench, export."""
+"""Training-stack subcommands of the ``mhmoe`` CLI: train, eval, generate, compare.
+
+The settings people change every run are first-class flags (:data:`RUN_FLAGS`: ``--lr``, ``--batch-size``,
+``--seed``, ``--device``, ``--dtype``, ``--eval-every``, ``--max-steps``, ``--data``), each mapping onto one
+config field; ``--set KEY=VALUE`` reaches any other field, and a flag wins over ``--set`` for the same field."""
 
 from __future__ import annotations
 
@@ -13,21 +17,28 @@ import torch
 
 from mhmoe.errors import ConfigError
 
+# flags that set one config field each; a flag wins over --set for the same field
+RUN_FLAGS = {"data": "data.corpus", "max_steps": "train.max_steps", "lr": "train.lr", "batch_size": "train.batch_size",
+             "seed": "train.seed", "device": "train.device", "dtype": "train.dtype", "eval_every": "train.eval_every",
+             "parallel": "train.parallel", "ep": "train.ep"}
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` assignments followed by those of the first-class flags that were given (:data:`RUN_FLAGS`)."""
+    sets = list(getattr(args, "set", None) or [])
+    for attr, key in RUN_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:  # --max-steps 0 is an error, not "use the default"
+            sets.append(f"{key}={value}")
+    return sets
+
 
 def _load_run(args: argparse.Namespace):
     from mhmoe.config.presets import get_preset
     from mhmoe.config.run import RunConfig
 
     run = RunConfig.load(args.config) if getattr(args, "config", None) else get_preset(args.preset)
-    sets = list(args.set or [])
-    if getattr(args, "data", None):
-        sets.append(f"data.corpus={args.data}")
-    if getattr(args, "max_steps", None) is not None:  # --max-steps 0 is an error, not "use the default"
-        sets.append(f"train.max_steps={args.max_steps}")
-    if getattr(args, "parallel", None) is not None:
-        sets.append(f"train.parallel={args.parallel}")
-    if getattr(args, "ep", None) is not None:
-        sets.append(f"train.ep={args.ep}")
+    sets = flag_overrides(args)
     return run.with_overrides(sets) if sets else run
 
 
@@ -41,22 +52,64 @@ def _launch_fields(args: argparse.Namespace) -> tuple[str, ...]:
     return LAUNCH_FIELDS if given else tuple(f for f in LAUNCH_FIELDS if f != "max_steps")
 
 
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The settings people change every run, as flags (each maps onto one config field, see RUN_FLAGS)."""
+    from mhmoe.config.train import DEVICES, DTYPES
+
+    p.add_argument("--data", metavar="CORPUS", help="training corpus: kjv | pydocs | wordnet | manpages | man-<lang> "
+                   "or a path (text file, directory, .jsonl, .parquet); = data.corpus (default: the preset's, kjv)")
+    p.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps; = train.max_steps (default: the "
+                   "preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate; = train.lr (default: the preset's)")
+    p.add_argument("--batch-size", type=int, metavar="B", help="sequences per micro-batch (per rank); "
+                   "= train.batch_size (default: the preset's)")
+    p.add_argument("--seed", type=int, help="seed of the initialisation and of the batch order; = train.seed "
+                   "(default: the preset's)")
+    p.add_argument("--device", choices=DEVICES, help="= train.device; auto: CUDA when available (default: the "
+                   "preset's, auto)")
+    p.add_argument("--dtype", choices=DTYPES, help="autocast dtype; = train.dtype. bfloat16 is fast on GPUs and on "
+                   "CPUs with avx512_bf16/amx_bf16 only (default: the preset's, float32)")
+    p.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (0: only at the end); "
+                   "= train.eval_every (default: the preset's)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. model.moe.top_k=2 "
+                   "(repeatable; see `mhmoe presets --show NAME`; default: none)")
+
+
+def warn_slow_bf16(device: str, dtype: str) -> None:
+    """One line on rank 0 when bf16 is chosen on a CPU without native bf16 (mhmoe.runtime.cpu)."""
+    from mhmoe.runtime.console import warn_line
+    from mhmoe.runtime.cpu import bf16_warning
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    message = bf16_warning(device, dtype)
+    if message:
+        warn_line(message)
+
+
 # ---- train -----------------------------------------------------------------------------------------
+RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with the run's own config (model, "
+               "data, optimizer, schedule); --max-steps, --parallel, --ep and train.threads come from this command. "
+               "Without --resume, an --out that holds checkpoints is refused")
+
+
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model from a preset or a YAML config")
+    p = sub.add_parser("train", help="train a model from a preset or a YAML config",
+                       description="Train a model; writes OUT/config.yaml, metrics.jsonl, eval.jsonl, curves.png, "
+                       "results.json and checkpoints/step_N/ (README: 'Run directories').")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny-mh3", help="preset name (see `mhmoe presets`)")
-    src.add_argument("--config", help="a YAML run config (as printed by `mhmoe presets --show`)")
-    p.add_argument("--out", required=True, help="run directory (metrics.jsonl, checkpoints/)")
-    p.add_argument("--data", help="corpus: registry name (kjv, pydocs, wordnet) or a path")
-    p.add_argument("--max-steps", type=int, help="optimizer steps")
-    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3 (repeatable)")
-    p.add_argument("--parallel", help="under torchrun: ddp | fsdp (FSDP2) | none | auto (= train.parallel; "
-                   "auto: ddp when WORLD_SIZE > 1), docs/DISTRIBUTED.md")
-    p.add_argument("--ep", help="expert-parallel group size (= train.ep; divides the world size and the expert count)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    src.add_argument("--preset", default="tiny-mh3", help="preset name (list: `mhmoe presets`)")
+    src.add_argument("--config", metavar="YAML", help="a YAML run config (as printed by `mhmoe presets --show NAME`) "
+                     "instead of --preset (default: none, the preset)")
+    p.add_argument("--out", required=True, metavar="RUN", help="run directory (created if missing)")
+    add_run_flags(p)
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    p.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"], help="under torchrun: data parallelism; "
+                   "= train.parallel (default: the preset's, auto = ddp when WORLD_SIZE > 1); docs/DISTRIBUTED.md")
+    p.add_argument("--ep", type=int, help="expert-parallel group size under torchrun; = train.ep; divides the world "
+                   "size and the expert count (default: the preset's, 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
+    p.add_argument("--json", action="store_true", help="print the final summary (results.json) as JSON")
     p.set_defaults(func=_run_train)
 
 
@@ -64,6 +117,7 @@ def _run_train(args) -> int:
     run = _load_run(args)  # config errors before the (slow) torch.distributed import
     from mhmoe.parallel.launch import train_parallel as train
 
+    warn_slow_bf16(run.train.device, run.train.dtype)
     try:
         res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
                     launch_fields=_launch_fields(args))
@@ -88,10 +142,14 @@ def _add_eval(sub) -> None:
     from mhmoe.cli.ecosystem import add_harness_args
 
     p = sub.add_parser("eval", help="perplexity of a checkpoint on every validation set (--tasks: lm-eval tasks)")
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--batches", type=int, help="max evaluation batches per set (default: the run's)")
+    p.add_argument("--checkpoint", required=True, metavar="RUN", help="run directory (its newest valid checkpoint) "
+                   "or checkpoint directory")
+    p.add_argument("--batches", type=int, metavar="N", help="max evaluation batches per set (default: the run's "
+                   "train.eval_batches)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the run's train.dtype)")
     add_harness_args(p, tasks_required=False)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_eval)
 
 
@@ -105,14 +163,18 @@ def _run_eval(args) -> int:
     from mhmoe.train.checkpoint import load_latest
     from mhmoe.train.evaluate import evaluate
 
-    device = resolve_device("auto")
+    if args.batches is not None and args.batches < 1:
+        raise ConfigError("--batches", args.batches, ">= 1")
+    device = resolve_device(args.device, "--device")
     ck = load_latest(args.checkpoint, device)
     cfg = ck.run.train
+    dtype = args.dtype or cfg.dtype
+    warn_slow_bf16(device.type, dtype)
     # caches go where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where a checkpoint says
     data_cfg = dataclasses.replace(ck.run.data, cache_dir="")
     data = prepare_data(data_cfg, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
     res = evaluate(ck.model, data.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                   max_batches=args.batches or cfg.eval_batches, device=device, dtype=cfg.dtype)
+                   max_batches=args.batches or cfg.eval_batches, device=device, dtype=dtype)
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "eval": res}, indent=2))
     else:
@@ -124,120 +186,70 @@ def _run_eval(args) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint (KV cache)")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    from mhmoe.train.pretrained import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+
+    p = sub.add_parser("generate", help="sample text from a model (KV cache)",
+                       description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
+                       "export --hf directory; prints prompt + continuation. Python: mhmoe.load(path).generate(...)")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="run, checkpoint or saved model directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N",
+                   help="tokens to add at most (fewer when the model's context ends or end-of-text is drawn)")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="sample among the K most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling mass; 1 = off")
+    p.add_argument("--seed", type=int, default=SEED, help="sampling seed (the same seed gives the same text)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run the model")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args) -> int:
-    from mhmoe.model.generate import generate
-    from mhmoe.runtime.device import resolve_device
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.train.pretrained import check_sampling, load
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise ConfigError("generate", vars(args)["max_new_tokens"],
-                          "--max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    device = resolve_device("auto")
-    ck = load_latest(args.checkpoint, device)
-    ids = ck.tokenizer.encode(args.prompt)
-    if not ids:
-        raise ConfigError("--prompt", args.prompt, "a non-empty text")
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.tensor([ids], device=device)
-    n = min(args.max_new_tokens, ck.model.cfg.max_seq_len - len(ids))
-    out = generate(ck.model, prompt, n, args.temperature, args.top_k, args.top_p,
-                   eos_id=ck.tokenizer.eos_id, generator=g)
-    print(ck.tokenizer.decode(out[0].tolist()))
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        model = load(args.checkpoint, args.device)
+        print(model.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
+    except ConfigError as exc:  # name the flag, not the Python parameter
+        raise ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None
     return 0
 
 
 # ---- compare (the README's main job) -----------------------------------------------------------------
 def _add_compare(sub) -> None:
-    p = sub.add_parser("compare", help="train + evaluate several presets and print a comparison table")
-    p.add_argument("--presets", nargs="+", default=["tiny-dense", "tiny-smoe", "tiny-mh3"])
-    p.add_argument("--out", required=True, help="parent directory; one run directory per preset")
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--set", action="append", metavar="KEY=VALUE")
-    p.add_argument("--data")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true")
+    from mhmoe.research.compare import DEFAULT_PRESETS
+
+    p = sub.add_parser("compare", help="train + evaluate several presets; one table and one curves plot",
+                       description="Train and evaluate every preset (x --seeds) the same way into "
+                       "OUT/<preset>/seed<k>/ and write OUT/results.md, results.csv, results.json and curves.png. "
+                       "Finished runs are reused (a run with a different config is refused).")
+    p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="presets to compare")
+    p.add_argument("--out", required=True, metavar="DIR", help="suite directory (one run directory per preset and "
+                   "seed)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per preset (seed k trains with train.seed + k); the "
+                   "table shows mean ± std when > 1")
+    add_run_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
+    p.add_argument("--json", action="store_true", help="print every run's summary as JSON instead of the table")
     p.set_defaults(func=_run_compare)
 
 
 def _run_compare(args) -> int:
-    from mhmoe.config.presets import get_preset
-    from mhmoe.parallel.launch import train_parallel as train
+    from mhmoe.research.compare import compare_runs, run_compare
 
-    rows, t_all = [], time.perf_counter()
-    for name in args.presets:
-        get_preset(name)  # validate all names before training anything
-    for name in args.presets:
-        run_dir = Path(args.out) / name
-        done = run_dir / "results.json"
-        ns = argparse.Namespace(preset=name, config=None, set=args.set, data=args.data, max_steps=args.max_steps)
-        run = _load_run(ns)
-        check_same_settings(run_dir, run)
-        if done.exists():
-            print(f"[{name}] finished earlier with the same settings: reusing {done}", file=sys.stderr)
-            rows.append(json.loads(done.read_text()))
-            continue
-        print(f"[{name}] training {run.train.max_steps} steps x {run.train.tokens_per_step:,} tokens", file=sys.stderr)
-        train(run, run_dir, resume=bool(list((run_dir / "checkpoints").glob("step_*"))) if run_dir.exists() else False,
-              progress=not args.no_progress)
-        rows.append(json.loads(done.read_text()))
-    wall = time.perf_counter() - t_all
+    t0 = time.perf_counter()
+    first = compare_runs(args.presets, args.seeds, flag_overrides(args))[0][2]  # checks every name and override
+    warn_slow_bf16(first.train.device, first.train.dtype)
+    runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress)
+    if not runs:  # torchrun: rank 0 reports
+        return 0
     if args.json:
-        print(json.dumps({"rows": rows, "wall_s": wall}, indent=2))
+        print(json.dumps({"runs": runs, "wall_s": time.perf_counter() - t0}, indent=2))
     else:
-        print(format_table(rows))
-        print(f"wall time {wall / 60:.1f} min")
+        print(table)
+        print(f"wall time {(time.perf_counter() - t0) / 60:.1f} min; {args.out}/results.(md|csv|json), curves.png",
+              file=sys.stderr)
     return 0
-
-
-#: settings that do not change what a run computes (launch properties) or that training derives (vocab_size)
-_NOT_COMPARED = {"model.vocab_size", "train.threads", "train.parallel", "train.ep", "data.cache_dir"}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def check_same_settings(run_dir: Path, run) -> None:
-    """Refuse to reuse or resume ``run_dir`` when it was trained with other settings than ``run`` (its
-    config.yaml differs in anything but :data:`_NOT_COMPARED`)."""
-    from mhmoe.config.run import RunConfig
-
-    saved_file = run_dir / "config.yaml"
-    if not saved_file.is_file():
-        return
-    saved, wanted = _flat(RunConfig.load(saved_file).to_dict()), _flat(run.to_dict())
-    for key in sorted(set(saved) | set(wanted)):
-        if key not in _NOT_COMPARED and saved.get(key) != wanted.get(key):
-            raise ConfigError("--out", str(run_dir.parent),
-                              f"a directory whose runs have this command's settings ({run_dir.name} was trained "
-                              f"with {key}={saved.get(key)!r}, this command asks for {wanted.get(key)!r}: choose "
-                              f"another --out, or remove {run_dir})")
-
-
-def format_table(rows: list[dict]) -> str:
-    sets = sorted({k for r in rows for k in r["eval"]}, key=lambda s: (s != "kjv", s))
-    head = ["model", "params", "fwd FLOPs/token"] + [f"ppl {s}" for s in sets] + ["train tok/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["preset"], f"{r['params'] / 1e6:.2f}M", f"{r['fwd_flops_per_token'] / 1e6:.2f}M"]
-        cells += [f"{r['eval'][s]['ppl']:.2f}" if s in r["eval"] else "-" for s in sets]
-        cells.append(f"{r['tokens_per_s']:,.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 PARSER_BUILDERS = [_add_train, _add_eval, _add_generate, _add_compare]

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
+from mhmoe.model.pretrained import PretrainedMixin
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
 from mhmoe.quant.bitnet import BitLinear, SubNorm
 
@@ -148,8 +149,10 @@ class Block(nn.Module):
         return x + f.out, f
 
 
-class LM(nn.Module):
-    """The language model. forward(idx [B, T], targets [B, T] | None, mask [B, T] | None)."""
+class LM(nn.Module, PretrainedMixin):
+    """The language model. forward(idx [B, T], targets [B, T] | None, mask [B, T] | None).
+
+    ``LM.from_pretrained(path)`` / ``model.save_pretrained(dir, tokenizer=...)``: :mod:`mhmoe.model.pretrained`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

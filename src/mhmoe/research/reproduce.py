@@ -3,9 +3,10 @@ print our table beside the paper's -- honestly, whatever the result.
 
 A suite is a list of rows (label + run config); every run lives in ``OUT/<label>/seed<k>/`` and a
 run whose ``results.json`` exists is reused, so an interrupted suite costs nothing extra when the
-command is repeated. Outputs: ``results.csv`` (one line per run), ``results.md`` (mean ± std over
-seeds beside the paper's numbers) and ``curves.png`` (validation perplexity vs tokens, like ICML
-Fig. 4, from every run's ``eval.jsonl``).
+command is repeated. Outputs (the suite directory layout of :mod:`mhmoe.research.report`):
+``results.csv`` (one line per run), ``results.md`` (mean ± std over seeds beside the paper's numbers),
+``results.json`` and ``curves.png`` (training loss and validation perplexity over steps, one line per
+model, averaged over seeds).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mhmoe.config.planner import plan
 from mhmoe.config.presets import SCALES, _run, bitnet_run, icml_moe_config, moe_config
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
+from mhmoe.research.report import plot_suite_curves, write_json
 
 
 @dataclass
@@ -198,7 +200,9 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
     return results
 
 
-BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device"}
+#: fields that do not change what a run computes (launch properties and logging), ignored when reusing a run
+BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device", "parallel",
+               "ep", "cache_dir"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -251,30 +255,5 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) ->
     lines += ["", f"Seeds: {n_seeds}. Ours: validation perplexity (mean ± std over seeds) on our corpora; "
               "paper: its reported perplexity on its own data and scale -- compare orderings, not values."]
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _plot_curves(results, out / "curves.png", name)
-
-
-def _plot_curves(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for r in results:
-        f = Path(r["run_dir"]) / "eval.jsonl"
-        if not f.exists():
-            continue
-        pts = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
-        key = next((k for k in (pts[0] if pts else {}) if k.endswith("_ppl")), None)
-        if key:
-            ax.plot([p["step"] for p in pts], [p[key] for p in pts], marker="o", label=f"{r['label']} s{r['seed']}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    if ax.get_lines():
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_json(results, out / "results.json", name, {"paper": {row.label: row.paper for row in rows}})
+    plot_suite_curves(results, out / "curves.png", name)

@@ -48,6 +48,7 @@ from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
+from mhmoe.train.plots import update_run_plot
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
@@ -295,6 +296,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
+            update_run_plot(self.run_dir)  # RUN/curves.png
         self.result.eval = res
         return res
 

@@ -1,0 +1,182 @@
+"""``LM.from_pretrained`` / ``LM.save_pretrained``: the model's weights and config, without training state.
+
+A *saved directory* (what :meth:`PretrainedMixin.save_pretrained` writes) is the layout of a transformers
+model directory, so the same directory also loads with ``AutoModelForCausalLM.from_pretrained`` once
+``mhmoe.integrations.hf`` is imported::
+
+    config.json           {"model_type": "mhmoe", "mhmoe": {ModelConfig fields}, "vocab_size": ..., ...}
+    model.safetensors     weights, keys "model.<LM parameter name>", tied embeddings stored once
+    tokenizer/            the tokenizer (mhmoe.data.Tokenizer.save), when one was given
+
+:meth:`PretrainedMixin.from_pretrained` reads such a directory, a ``mhmoe export --hf`` directory, a
+checkpoint directory (``RUN/checkpoints/step_N``: hashes verified, as in training) or a run directory
+(its newest valid checkpoint). Loading never executes code (safetensors and JSON/YAML only) and never
+reads outside the directory (fixed file names; symlinks that lead out are refused). Sharded (DCP)
+checkpoints need the training stack: :func:`mhmoe.load` reads those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.run import RunConfig
+from mhmoe.errors import CheckpointError, ConfigError
+from mhmoe.runtime.checkpoint_files import check_links, first_line, is_checkpoint_dir, newest_valid, verify_checkpoint
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_DIRS = ("tokenizer", "mhmoe_tokenizer")  # ours; the name `mhmoe export --hf` uses
+KEY_PREFIX = "model."  # transformers layout: MHMoEForCausalLM.model is the LM
+M = TypeVar("M", bound="PretrainedMixin")
+
+
+@dataclass(frozen=True)
+class PretrainedFiles:
+    """Where a loadable model's pieces are: its config, weights file, tokenizer directory (or None), the
+    training step (None for a saved directory) and the directory they were found in."""
+
+    config: ModelConfig
+    weights: Path
+    tokenizer: Path | None
+    step: int | None
+    path: Path
+
+
+def _tokenizer_dir(d: Path) -> Path | None:
+    return next((d / n for n in TOKENIZER_DIRS if (d / n).is_dir()), None)
+
+
+def saved_dir_files(d: Path) -> PretrainedFiles:
+    """A saved (or ``export --hf``) directory: ``config.json`` with an ``mhmoe`` model config + weights."""
+    check_links(d)
+    try:
+        meta = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{d}: unreadable {CONFIG_FILE} ({exc.__class__.__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("mhmoe"), dict):
+        raise CheckpointError(f"{d}: {CONFIG_FILE} is not an mhmoe model config (no \"mhmoe\" section)")
+    try:
+        cfg = ModelConfig.from_dict(dict(meta["mhmoe"]))
+    except ConfigError as exc:
+        raise CheckpointError(f"{d}: {CONFIG_FILE}: {exc}") from None
+    if not (d / WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"{d}: missing {WEIGHTS_FILE}")
+    return PretrainedFiles(cfg, d / WEIGHTS_FILE, _tokenizer_dir(d), None, d)
+
+
+def checkpoint_dir_files(d: Path) -> PretrainedFiles:
+    """A training checkpoint directory (meta.json verified: sizes, hashes, names inside the directory)."""
+    meta = verify_checkpoint(d)
+    if meta.get("format") == "dcp":
+        raise CheckpointError(f"{d}: a sharded (DCP) checkpoint; load it with mhmoe.load(path), or convert it "
+                              "with `mhmoe convert-checkpoint PATH OUT --to safetensors`")
+    try:
+        cfg = RunConfig.load(d / "config.yaml").model
+    except (OSError, ConfigError) as exc:
+        raise CheckpointError(f"{d}: config.yaml cannot be loaded ({first_line(exc)})") from None
+    return PretrainedFiles(cfg, d / WEIGHTS_FILE, _tokenizer_dir(d), int(meta["step"]), d)
+
+
+def load_weights(model: torch.nn.Module, files: PretrainedFiles) -> None:
+    """Load ``files.weights`` into ``model`` (keys with or without the transformers ``model.`` prefix);
+    CheckpointError unless every parameter is present with its shape (a tied LM head may be absent)."""
+    try:
+        state = load_file(str(files.weights), device="cpu")
+    except Exception as exc:  # noqa: BLE001 -- SafetensorError, OSError: a damaged file
+        raise CheckpointError(f"{files.path}: {WEIGHTS_FILE} cannot be read ({first_line(exc)})") from None
+    if state and all(k.startswith(KEY_PREFIX) for k in state):
+        state = {k[len(KEY_PREFIX):]: v for k, v in state.items()}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatch
+        raise CheckpointError(f"{files.path}: weights do not match the config ({first_line(exc)})") from None
+    tied = {"lm_head.weight"} if files.config.tie_embeddings else set()
+    missing = [m for m in missing if m not in tied and not m.startswith("rope_")]
+    if missing or unexpected:
+        raise CheckpointError(f"{files.path}: weights do not match the config (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+
+
+def find_pretrained(path: str | os.PathLike[str], warn: bool = True) -> PretrainedFiles:
+    """The model files of a saved directory, a checkpoint directory or a run directory (newest valid
+    checkpoint; a damaged one is reported on stderr and the previous one is used)."""
+    p = Path(path)
+    if (p / CONFIG_FILE).is_file() and not is_checkpoint_dir(p):
+        return saved_dir_files(p)
+    return newest_valid(p, checkpoint_dir_files, warn=warn)
+
+
+def _weights_for_saving(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    tied = cfg.tie_embeddings
+    return {KEY_PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")}
+
+
+def config_json(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
+    """``config.json``: our ModelConfig under ``mhmoe`` plus the transformers names other tools read."""
+    return {"architectures": ["MHMoEForCausalLM"], "model_type": "mhmoe", "mhmoe": cfg.to_dict(),
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "max_position_embeddings": cfg.max_seq_len,
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
+            "pad_token_id": eos_id}
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an existing ``out`` is replaced only after ``tmp`` is complete."""
+    old = out.parent / f".old-{out.name}-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class PretrainedMixin:
+    """``from_pretrained`` / ``save_pretrained`` for :class:`mhmoe.model.LM` (which sets ``cfg``)."""
+
+    cfg: ModelConfig
+
+    @classmethod
+    def from_pretrained(cls: type[M], path: str | os.PathLike[str], device: str | torch.device = "cpu",
+                        warn: bool = True) -> M:
+        """The model stored at ``path`` (saved directory, ``export --hf`` directory, checkpoint directory or
+        run directory), in eval mode on ``device``. CheckpointError (one line) for anything unloadable."""
+        files = find_pretrained(path, warn=warn)
+        model = cls(files.config)
+        load_weights(model, files)
+        return model.to(device).eval()
+
+    def save_pretrained(self, directory: str | os.PathLike[str], tokenizer: Any = None,
+                        overwrite: bool = False) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (+ ``tokenizer/`` when ``tokenizer`` is given: a
+        :class:`mhmoe.data.Tokenizer`) into ``directory``; returns it.
+
+        Everything is written into a hidden sibling first and renamed into place, so ``directory`` is never
+        half-written. An existing non-empty ``directory`` is refused unless ``overwrite=True``."""
+        out = Path(directory)
+        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+            raise CheckpointError(f"{out}: already exists and is not an empty directory (refusing to overwrite; "
+                                  "pass overwrite=True to replace it)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            save_file(_weights_for_saving(self, self.cfg), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            eos = getattr(tokenizer, "eos_id", None)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config_json(self.cfg, eos), indent=2), encoding="utf-8")
+            if tokenizer is not None:
+                tokenizer.save(tmp / TOKENIZER_DIRS[0])
+            _publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out

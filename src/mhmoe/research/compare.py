@@ -1,0 +1,67 @@
+"""``mhmoe compare``: train and evaluate several presets the same way, then one table and one figure.
+
+Layout (the suite directory of :mod:`mhmoe.research.report`): ``OUT/<preset>/seed<k>/`` per run, seed k
+trained with ``train.seed + k``; ``OUT/results.{md,csv,json}`` and ``OUT/curves.png``. A run whose
+``results.json`` exists is reused when its config matches (else a one-line error names the first
+difference); a run with checkpoints but no results continues from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from mhmoe.config.presets import get_preset
+from mhmoe.config.run import RunConfig
+from mhmoe.errors import ConfigError
+from mhmoe.parallel.launch import train_parallel
+from mhmoe.research.report import write_suite_report
+from mhmoe.research.reproduce import _check_same_run as check_same_run
+from mhmoe.runtime.checkpoint_files import list_checkpoints
+from mhmoe.runtime.console import is_rank0
+
+DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")
+
+
+def compare_runs(presets: list[str], seeds: int = 1,
+                 overrides: list[str] | None = None) -> list[tuple[str, int, RunConfig]]:
+    """(preset, seed index, run config) for every preset x seed (seed k: ``train.seed`` + k, after the
+    overrides); every name and override is checked before anything trains."""
+    if seeds < 1:
+        raise ConfigError("--seeds", seeds, "an integer >= 1")
+    out = []
+    for name in presets:
+        run = get_preset(name).with_overrides(list(overrides or []))
+        out += [(name, k, run.with_overrides([f"train.seed={run.train.seed + k}"])) for k in range(seeds)]
+    return out
+
+
+def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: list[str] | None = None,
+                progress: bool = True) -> tuple[list[dict], str]:
+    """Train (or reuse) every preset x seed into ``out``; write the suite report. Returns (runs, Markdown table)."""
+    out = Path(out)
+    plan = compare_runs(presets, seeds, overrides)
+    runs, t0 = [], time.perf_counter()
+    for name, seed, run in plan:
+        run_dir = out / name / f"seed{seed}"
+        done = run_dir / "results.json"
+        check_same_run(run_dir, run)
+        if done.exists():
+            print(f"[{name} seed {seed}] finished earlier: reusing {run_dir}", file=sys.stderr)
+        else:
+            print(f"[{name} seed {seed}] training {run.train.max_steps} steps x {run.train.tokens_per_step:,} tokens",
+                  file=sys.stderr)
+            train_parallel(run, run_dir, resume=bool(list_checkpoints(run_dir)), progress=progress)
+        if not is_rank0():  # torchrun: rank 0 reports
+            continue
+        runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **json.loads(done.read_text())})
+    if not runs:  # a torchrun rank other than 0
+        return [], ""
+    wall = time.perf_counter() - t0
+    table = write_suite_report(runs, out, "compare: " + ", ".join(presets), {"wall_s": wall, "seeds": seeds})
+    return runs, table
+
+
+__all__ = ["DEFAULT_PRESETS", "compare_runs", "run_compare"]

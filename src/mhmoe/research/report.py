@@ -1,0 +1,142 @@
+"""The outputs of a *suite directory* (``mhmoe compare``, ``mhmoe reproduce``): one table in three formats
+and one curves figure, beside the run directories::
+
+    SUITE/<model>/seed<k>/     one run directory per model and seed (config.yaml, metrics.jsonl, ...)
+    SUITE/results.md           the table (Markdown; mean ± std over seeds when there are several)
+    SUITE/results.csv          one line per run
+    SUITE/results.json         {"title", "runs": [every run's results.json + label, seed, run_dir], "models": [...]}
+    SUITE/curves.png           training loss and validation perplexity over steps, one line per model
+
+``runs`` below are dicts: a run's ``results.json`` plus ``label``, ``seed`` and ``run_dir``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from mhmoe.train.plots import Curves, mean_curves, plot_curves, read_curves
+
+RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVES_PNG = "results.md", "results.csv", "results.json", "curves.png"
+
+
+def val_sets(runs: list[dict]) -> list[str]:
+    """Validation sets over all runs: kjv first, then alphabetical."""
+    return sorted({k for r in runs for k in r.get("eval", {})}, key=lambda s: (s != "kjv", s))
+
+
+def labels_in_order(runs: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["label"] for r in runs))
+
+
+def model_rows(runs: list[dict]) -> list[dict[str, Any]]:
+    """One row per model (label): seeds, params, FLOPs/token, mean tokens/s and per-set perplexity mean/std."""
+    rows = []
+    for label in labels_in_order(runs):
+        rs = [r for r in runs if r["label"] == label]
+        row: dict[str, Any] = {"model": label, "seeds": len(rs), "params": rs[0]["params"],
+                               "fwd_flops_per_token": rs[0]["fwd_flops_per_token"],
+                               "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rs), "ppl": {}}
+        for s in val_sets(runs):
+            v = [r["eval"][s]["ppl"] for r in rs if s in r.get("eval", {})]
+            if v:
+                row["ppl"][s] = {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None}
+        rows.append(row)
+    return rows
+
+
+def format_ppl(cell: dict | None) -> str:
+    if not cell:
+        return "-"
+    return f"{cell['mean']:.2f}" + (f" ± {cell['std']:.2f}" if cell.get("std") is not None else "")
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """model | params | fwd FLOPs/token | ppl <set>... | train tok/s (the README's demo table)."""
+    sets = val_sets(runs)
+    head = ["model", "params", "fwd FLOPs/token"] + [f"ppl {s}" for s in sets] + ["train tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in model_rows(runs):
+        cells = [row["model"], f"{row['params'] / 1e6:.2f}M", f"{row['fwd_flops_per_token'] / 1e6:.2f}M"]
+        cells += [format_ppl(row["ppl"].get(s)) for s in sets] + [f"{row['tokens_per_s']:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_runs_csv(runs: list[dict], path: Path, suite: str = "") -> None:
+    """One line per run: suite, label, seed, params, FLOPs/token, tokens/s, train seconds, ppl per set."""
+    sets = val_sets(runs)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["suite", "label", "seed", "params", "fwd_flops_per_token", "tokens_per_s", "train_s"]
+                   + [f"ppl_{s}" for s in sets])
+        for r in runs:
+            w.writerow([suite, r["label"], r["seed"], r["params"], r["fwd_flops_per_token"],
+                        f"{r['tokens_per_s']:.1f}", f"{r.get('train_s', 0.0):.1f}"]
+                       + [f"{r['eval'][s]['ppl']:.4f}" if s in r.get("eval", {}) else "" for s in sets])
+
+
+def write_json(runs: list[dict], path: Path, title: str, extra: dict | None = None) -> None:
+    data = {"title": title, **(extra or {}), "models": model_rows(runs), "runs": runs}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def suite_curves(runs: list[dict]) -> list[Curves]:
+    """One :class:`Curves` per model, averaged over its seeds."""
+    return [mean_curves(label, [read_curves(r["run_dir"], label) for r in runs if r["label"] == label])
+            for label in labels_in_order(runs)]
+
+
+def plot_suite_curves(runs: list[dict], path: str | os.PathLike[str], title: str) -> Path:
+    """``curves.png`` of a suite: training loss and validation perplexity, one line per model."""
+    return plot_curves(suite_curves(runs), path, title)
+
+
+def write_suite_report(runs: list[dict], out: str | os.PathLike[str], title: str,
+                       extra: dict | None = None) -> str:
+    """results.md / .csv / .json and curves.png of a compare suite into ``out``; returns the Markdown table."""
+    out = Path(out)
+    table = markdown_table(runs)
+    n_seeds = max(r["seed"] for r in runs) + 1
+    note = f"Seeds: {n_seeds}" + (" (mean ± std over seeds)." if n_seeds > 1 else ".")
+    (out / RESULTS_MD).write_text(f"# {title}\n\n{table}\n\n{note}\n", encoding="utf-8")
+    write_runs_csv(runs, out / RESULTS_CSV, title)
+    write_json(runs, out / RESULTS_JSON, title, extra)
+    plot_suite_curves(runs, out / CURVES_PNG, title)
+    return table
+
+
+def run_dirs_of(path: Path) -> list[Path]:
+    """A run directory itself, or the run directories below a suite directory (any depth, sorted)."""
+    if (path / "metrics.jsonl").is_file():
+        return [path]
+    return sorted(p.parent for p in path.rglob("metrics.jsonl"))
+
+
+def collect_curves(paths: list[Path], labels: list[str] | None = None) -> list[Curves]:
+    """Curves for ``mhmoe plot``: one per run directory, or one per model of a suite directory (seeds
+    averaged, as in its curves.png); ``labels`` (one per path) rename them. ConfigError for a path with no
+    runs in it."""
+    from mhmoe.errors import ConfigError
+
+    out: list[Curves] = []
+    for i, path in enumerate(paths):
+        runs = run_dirs_of(path)
+        if not runs:
+            raise ConfigError("RUN", str(path), "a run directory (with metrics.jsonl) or a directory of runs")
+        groups: dict[str, list[Curves]] = {}
+        for run in runs:
+            c = read_curves(run)
+            groups.setdefault(c.label, []).append(c)
+        named = [mean_curves(label, cs) for label, cs in groups.items()]
+        if labels:
+            named = [Curves(labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}", c.train, c.val)
+                     for c in named]
+        out += named
+    return out

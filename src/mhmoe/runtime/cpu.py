@@ -1,0 +1,84 @@
+"""What the CPU can do fast: native bf16 arithmetic, read from the CPU's own capability flags.
+
+PyTorch runs ``bfloat16`` matmuls on a CPU through oneDNN. With native bf16 instructions (x86:
+``avx512_bf16`` or ``amx_bf16``; Arm: the ``bf16`` feature, FEAT_BF16) they run at least as fast as
+float32. Without them (AVX2-only x86 machines, e.g. AMD EPYC Rome/Milan, Intel before Cooper Lake /
+Sapphire Rapids) every bf16 value is converted in software and the reference kernels run instead:
+measured on a 2-core AVX2 AMD EPYC (``benchmarks/results/cpu_bf16_avx2.json``), a 1024x1024 bf16
+matmul ran ~100x slower than float32 and an SMoE layer forward ~150x slower.
+
+:func:`native_bf16` answers from ``/proc/cpuinfo`` (Linux), ``sysctl hw.optional.arm.FEAT_BF16``
+(macOS) and otherwise says it does not know (None); torch has no public query for it.
+:func:`bf16_warning` is the one-line warning the ``mhmoe`` command prints for ``train`` / ``eval`` /
+``bench`` when bf16 is chosen on such a CPU.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo "flags" (x86)
+ARM_BF16_FLAGS = ("bf16",)  # /proc/cpuinfo "Features" (aarch64, ARMv8.6 FEAT_BF16)
+SLOWDOWN = "~100x"  # bf16 matmul vs float32 without native bf16 (benchmarks/results/cpu_bf16_avx2.json)
+
+
+def cpu_info(text: str | None = None) -> tuple[str, frozenset[str]]:
+    """(model name, capability flags) from ``/proc/cpuinfo`` text (read when not given); ("", {}) elsewhere."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return platform.processor() or platform.machine(), frozenset()
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "hardware", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "features"):
+            flags.update(value.split())
+    return model or platform.machine(), frozenset(flags)
+
+
+def native_bf16(flags: frozenset[str] | None = None, machine: str | None = None) -> bool | None:
+    """True if the CPU has native bf16 instructions, False if it has none, None if unknown.
+
+    ``flags`` / ``machine`` default to this machine's (``/proc/cpuinfo``, :func:`platform.machine`)."""
+    machine = (machine or platform.machine()).lower()
+    if flags is None and sys.platform == "darwin":
+        return _darwin_bf16()
+    if flags is None:
+        flags = cpu_info()[1]
+    if not flags:
+        return None
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return any(f in flags for f in X86_BF16_FLAGS)
+    if machine in ("aarch64", "arm64"):
+        return any(f in flags for f in ARM_BF16_FLAGS)
+    return None
+
+
+def _darwin_bf16() -> bool | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True,
+                             timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    value = out.stdout.strip()
+    return value == "1" if value in ("0", "1") else None
+
+
+def bf16_warning(device: str, dtype: str, native: bool | None = None) -> str | None:
+    """The warning for running ``dtype`` on ``device`` ("cpu" / "cuda"), or None when there is nothing to say:
+    only bfloat16 on a CPU known to lack native bf16 gets one. ``native``: the answer of
+    :func:`native_bf16` if already known (None: ask it)."""
+    if dtype not in ("bfloat16", "bf16") or not str(device).startswith("cpu"):
+        return None
+    if (native_bf16() if native is None else native) is not False:
+        return None
+    model = cpu_info()[0] or "this CPU"
+    return (f"{model} has no native bf16 instructions (avx512_bf16/amx_bf16): bfloat16 runs {SLOWDOWN} slower "
+            "than float32 here; use --dtype float32 (README: 'CPUs, GPUs and bf16')")
