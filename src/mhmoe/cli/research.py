@@ -41,7 +41,8 @@ def _add_analyze(sub) -> None:
     p.add_argument("--out", help="output directory (default CHECKPOINT/analysis)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
     p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--threshold", type=float, default=0.01, help="activation threshold (selections per token)")
+    p.add_argument("--threshold", type=float, default=0.01,
+                   help="activation threshold in selections per token (uniform routing gives H*K/E)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_analyze)
 
@@ -61,13 +62,23 @@ def _run_analyze(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
     else:
-        print(f"activation ratio {summary['activation_ratio']:.3f} (threshold {args.threshold})  "
-              f"mean assign diversity {summary['mean_assign_diversity']:.2f} / {summary['max_possible_diversity']}")
-        for i, (h, imb) in enumerate(zip(summary["router_entropy_per_layer"], summary["load_imbalance_per_layer"],
-                                         strict=True)):
-            print(f"  MoE layer {i}: router entropy {h:.3f} nats, load imbalance {imb:.2f}")
+        _print_analysis(summary, args.threshold)
         print(f"report: {out}/(activation|diversity).(png|csv), summary.json", file=sys.stderr)
     return 0
+
+
+def _print_analysis(summary: dict, threshold: float) -> None:
+    """Every statistic beside its uniformly-random-routing baseline."""
+    rnd = summary["random_routing"]
+    uniform = ", ".join(f"{u:.3f}" for u in summary["uniform_frequency_per_layer"])
+    print(f"activation ratio {summary['activation_ratio']:.3f} (random routing {rnd['activation_ratio']:.3f}; "
+          f"threshold {threshold} selections/token; uniform frequency H*K/E = {uniform} per layer)")
+    expected = sum(rnd["expected_assign_diversity_per_layer"]) / max(1, len(rnd["expected_assign_diversity_per_layer"]))
+    print(f"mean assign diversity {summary['mean_assign_diversity']:.2f} (random routing "
+          f"{rnd['mean_assign_diversity']:.2f}, expected {expected:.2f}; max {summary['max_possible_diversity']})")
+    for i, (h, imb, rimb) in enumerate(zip(summary["router_entropy_per_layer"], summary["load_imbalance_per_layer"],
+                                           rnd["load_imbalance_per_layer"], strict=True)):
+        print(f"  MoE layer {i}: router entropy {h:.3f} nats, load imbalance {imb:.2f} (random routing {rimb:.2f})")
 
 
 PARSER_BUILDERS = [_add_reproduce, _add_analyze]

@@ -15,6 +15,13 @@ Definitions (pure functions, tested on hand-made routing decisions):
   averaged over layers.
 - **router entropy** = mean over routed (sub-)tokens of the gate distribution's entropy (nats);
   **load imbalance** = max / mean expert load.
+
+Every number needs its chance level beside it. Under uniformly random routing (each sub-token picks
+K distinct experts uniformly) an expert's expected frequency is **H*K/E** selections per token, so a
+model with more slots per token clears a fixed activation threshold more easily by construction, and
+a token's expected assign diversity is **E * (1 - (1 - K/E)^H)** (3.90 for H=K=2, E=41; 8.71 for
+H=K=3, E=93). :func:`summarize` reports both, and the same statistics measured on simulated random
+routing of as many tokens (``random_routing``).
 """
 
 from __future__ import annotations
@@ -61,6 +68,42 @@ def load_imbalance(counts: Tensor) -> float:
     return float(c.max() / c.mean()) if c.numel() and float(c.mean()) > 0 else 1.0
 
 
+def uniform_frequency(n_experts: int, heads: int, top_k: int) -> float:
+    """Expected selections per token of every expert under uniform routing: H*K/E."""
+    return heads * top_k / n_experts
+
+
+def expected_random_diversity(n_experts: int, heads: int, top_k: int) -> float:
+    """Expected distinct experts per token when each of its H sub-tokens picks K distinct experts
+    uniformly at random: an expert is missed by one sub-token with probability 1 - K/E."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** heads)
+
+
+def random_routing(n_tokens: int, heads: int, top_k: int, n_experts: int, generator: torch.Generator) -> Tensor:
+    """[T, H*K] expert ids of uniformly random routing: every sub-token picks K distinct experts."""
+    scores = torch.rand(n_tokens * heads, n_experts, generator=generator)
+    return scores.topk(top_k, dim=-1).indices.reshape(n_tokens, heads * top_k)
+
+
+def random_baseline(records: list[RoutingRecord], threshold: float, seed: int = 0) -> dict:
+    """The statistics of :func:`summarize` for uniformly random routing of the same layers and tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    freq, div, imbalance = [], [], []
+    for r in records:
+        e = random_routing(r.tokens, r.heads, r.top_k, r.n_experts, gen)
+        valid = torch.ones_like(e, dtype=torch.bool)
+        freq.append(activation_frequency(e, valid, r.n_experts, r.tokens))
+        div.append(assign_diversity(e, valid).double())
+        imbalance.append(load_imbalance(freq[-1]))
+    return {
+        "activation_ratio": activation_ratio(torch.stack(freq), threshold) if freq else 0.0,
+        "mean_assign_diversity": float(torch.stack(div).mean()) if div else 0.0,
+        "expected_assign_diversity_per_layer": [expected_random_diversity(r.n_experts, r.heads, r.top_k)
+                                                for r in records],
+        "load_imbalance_per_layer": imbalance,
+    }
+
+
 @dataclass
 class RoutingRecord:
     """Accumulated routing of one MoE layer over the analysed tokens."""
@@ -68,10 +111,16 @@ class RoutingRecord:
     n_experts: int
     slots_per_token: int  # H * K
     counts: Tensor
+    top_k: int = 1  # K slots per routed (sub-)token
     tokens: int = 0
     entropy_sum: float = 0.0
     entropy_n: int = 0
     diversity: list[Tensor] = field(default_factory=list)  # [T] per batch
+
+    @property
+    def heads(self) -> int:
+        """H routed sub-tokens per token."""
+        return self.slots_per_token // self.top_k
 
 
 @torch.no_grad()
@@ -89,7 +138,7 @@ def collect_routing(model, batches, device: torch.device | str = "cpu") -> tuple
             n_tok = x.numel()
             if len(records) <= i:
                 records.append(RoutingRecord(r.probs.shape[1], r.experts.numel() // n_tok,
-                                             torch.zeros(r.probs.shape[1], dtype=torch.float64)))
+                                             torch.zeros(r.probs.shape[1], dtype=torch.float64), r.top_k))
             rec = records[i]
             rec.counts += torch.bincount(r.experts[r.valid].cpu(), minlength=rec.n_experts).double()
             rec.tokens += n_tok
@@ -102,16 +151,21 @@ def collect_routing(model, batches, device: torch.device | str = "cpu") -> tuple
 
 
 def summarize(records: list[RoutingRecord], threshold: float) -> dict:
+    """Per-model routing statistics with their chance levels: ``uniform_frequency_per_layer`` (H*K/E)
+    and ``random_routing`` (the same statistics for uniformly random routing of the same tokens)."""
     freq = torch.stack([r.counts / max(1, r.tokens) for r in records]) if records else torch.zeros(0, 0)
     div = torch.stack([torch.cat(r.diversity).double() for r in records]).mean(0) if records else torch.zeros(0)
     return {
         "threshold": threshold,
         "activation_ratio": activation_ratio(freq, threshold) if freq.numel() else 0.0,
         "activation_ratio_per_layer": [activation_ratio(f, threshold) for f in freq],
+        "uniform_frequency_per_layer": [uniform_frequency(r.n_experts, r.heads, r.top_k) for r in records],
+        "min_frequency_per_layer": [float(f.min()) for f in freq],
         "router_entropy_per_layer": [r.entropy_sum / max(1, r.entropy_n) for r in records],
         "load_imbalance_per_layer": [load_imbalance(r.counts) for r in records],
         "mean_assign_diversity": float(div.mean()) if div.numel() else 0.0,
         "max_possible_diversity": max((min(r.n_experts, r.slots_per_token) for r in records), default=0),
+        "random_routing": random_baseline(records, threshold),
         "frequency": freq,
         "diversity": div,
     }
