@@ -67,6 +67,7 @@ def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
     res = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
     assert len(calls) == 8 and len(res) == 8
     assert {c[1] for c in calls} == {1337, 1338}  # seeds offset the preset's seed
+    assert [c[1] for c in calls] == [1337] * 4 + [1338] * 4  # seed-major: whole seeds first
     again = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
     assert len(calls) == 8 and [r["eval"] for r in again] == [r["eval"] for r in res]
     md = (tmp_path / "results.md").read_text()

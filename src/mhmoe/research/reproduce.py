@@ -189,9 +189,9 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
     out = Path(out)
     results = []
     rows = suite_rows(name)
-    for row in rows:
-        base = row.build(scale)
-        for seed in range(seeds):
+    built = [(row, row.build(scale)) for row in rows]
+    for seed in range(seeds):  # seed-major: an interrupted suite has whole seeds of every row
+        for row, base in built:
             steps = max(1, tokens // base.train.tokens_per_step) if tokens else base.train.max_steps
             # 4 validation points per run for the curves (before user overrides, which win)
             sets = [f"train.eval_every={max(1, steps // 4)}", f"train.max_steps={steps}"]
