@@ -95,3 +95,29 @@ def test_summary_reports_the_random_routing_baseline(tmp_path):
     assert len(rnd["load_imbalance_per_layer"]) == 2 and 0 <= rnd["activation_ratio"] <= 1
     saved = json.loads(json.dumps(write_report(s, ids, str, tmp_path), default=float))
     assert saved["random_routing"]["mean_assign_diversity"] == rnd["mean_assign_diversity"]
+
+
+def test_analyze_suite_reports_mean_std_beside_random_routing(tmp_path, capsys):
+    from helpers import DENSE, MHMOE, tiny_run
+
+    from mhmoe.cli import main
+    from mhmoe.research.analysis import analyze_suite
+    from mhmoe.train.loop import train
+
+    torch.set_num_threads(1)
+    suite = tmp_path / "suite"
+    for label, moe, seeds in (("Dense", DENSE, 1), ("MH", MHMOE, 2)):
+        for k in range(seeds):
+            train(tiny_run(tmp_path, moe, max_steps=2, seed=k), suite / label / f"seed{k}", progress=False)
+    res = analyze_suite(suite, batches=1, threshold=0.01)
+    assert [r["label"] for r in res["rows"]] == ["MH"]  # the dense run has no routing
+    row = res["rows"][0]
+    assert row["seeds"] == 2 and row["max_possible_diversity"] == 6  # 3 heads x top-3 over 6 experts
+    assert row["uniform_frequency"] == {"mean": 1.5, "std": 0.0}  # H*K/E = 3*3/6
+    assert row["expected_random_diversity"]["mean"] == round(6 * (1 - 0.5 ** 3), 2)
+    assert (suite / "analysis.json").exists() and (suite / "MH" / "seed1" / "analysis" / "summary.json").exists()
+    assert main(["analyze", "--suite", str(suite), "--batches", "1"]) == 0
+    assert "random routing" in capsys.readouterr().out
+    assert main(["analyze", "--suite", str(suite), "--checkpoint", str(suite / "MH" / "seed0")]) == 2
+    assert main(["analyze"]) == 2
+    assert "--checkpoint/--suite" in capsys.readouterr().err

@@ -37,7 +37,9 @@ def _run_reproduce(args: argparse.Namespace) -> int:
 
 def _add_analyze(sub) -> None:
     p = sub.add_parser("analyze", help="expert activation, sub-token assign diversity, entropy, load imbalance")
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", help="run directory or checkpoint directory")
+    p.add_argument("--suite", help="a `mhmoe reproduce` folder: analyse every MoE run, write SUITE/analysis.json "
+                   "(mean ± std over seeds beside random routing)")
     p.add_argument("--out", help="output directory (default CHECKPOINT/analysis)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
     p.add_argument("--batches", type=int, default=8)
@@ -56,6 +58,10 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
     if args.batches < 1 or not 0 <= args.threshold:
         raise ConfigError("--batches/--threshold", (args.batches, args.threshold), "--batches >= 1, --threshold >= 0")
+    if (args.checkpoint is None) == (args.suite is None):
+        raise ConfigError("--checkpoint/--suite", (args.checkpoint, args.suite), "exactly one of them")
+    if args.suite:
+        return _run_analyze_suite(args)
     out = args.out or str(Path(args.checkpoint) / "analysis")
     summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold,
                                  str(resolve_device("auto")))
@@ -64,6 +70,28 @@ def _run_analyze(args: argparse.Namespace) -> int:
     else:
         _print_analysis(summary, args.threshold)
         print(f"report: {out}/(activation|diversity).(png|csv), summary.json", file=sys.stderr)
+    return 0
+
+
+def _pm(row: dict, key: str) -> str:
+    return f"{row[key]['mean']} ± {row[key]['std']}"
+
+
+def _run_analyze_suite(args: argparse.Namespace) -> int:
+    from mhmoe.research.analysis import analyze_suite
+    from mhmoe.runtime.device import resolve_device
+
+    res = analyze_suite(args.suite, args.batches, args.threshold, str(resolve_device("auto")))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"threshold {args.threshold} selections/token; mean ± std over seeds; (random routing)")
+    for r in res["rows"]:
+        print(f"{r['label']}: activation ratio {_pm(r, 'activation_ratio')} ({_pm(r, 'random_activation_ratio')}), "
+              f"uniform frequency {_pm(r, 'uniform_frequency')}, assign diversity {_pm(r, 'assign_diversity')} "
+              f"({_pm(r, 'random_assign_diversity')}; max {r['max_possible_diversity']}), "
+              f"load imbalance {_pm(r, 'load_imbalance')} ({_pm(r, 'random_load_imbalance')})")
+    print(f"{args.suite}/analysis.json", file=sys.stderr)
     return 0
 
 

@@ -242,3 +242,61 @@ def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, b
     summary["checkpoint"] = str(ck.path)
     return write_report(summary, ids, ck.tokenizer.decode, out_dir)
 
+
+
+# ---- a whole suite (``mhmoe analyze --suite DIR``) --------------------------------------------------------
+SUITE_STATS = {  # name -> (how to read it from one checkpoint's summary, decimals)
+    "activation_ratio": (lambda s: s["activation_ratio"], 3),
+    "random_activation_ratio": (lambda s: s["random_routing"]["activation_ratio"], 3),
+    "uniform_frequency": (lambda s: float(np.mean(s["uniform_frequency_per_layer"])), 3),
+    "min_frequency": (lambda s: min(s["min_frequency_per_layer"]), 3),
+    "assign_diversity": (lambda s: s["mean_assign_diversity"], 2),
+    "random_assign_diversity": (lambda s: s["random_routing"]["mean_assign_diversity"], 2),
+    "expected_random_diversity": (lambda s: float(np.mean(s["random_routing"]["expected_assign_diversity_per_layer"])),
+                                  2),
+    "router_entropy": (lambda s: float(np.mean(s["router_entropy_per_layer"])), 2),
+    "load_imbalance": (lambda s: float(np.mean(s["load_imbalance_per_layer"])), 2),
+    "random_load_imbalance": (lambda s: float(np.mean(s["random_routing"]["load_imbalance_per_layer"])), 2),
+}
+
+
+def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
+    """(label, run dir) of every finished run of a ``mhmoe reproduce`` folder, in its table's order."""
+    from mhmoe.research.reproduce import run_dir_name
+
+    summary = suite_dir / "summary.json"
+    labels = [r["label"] for r in json.loads(summary.read_text())["rows"]] if summary.exists() else []
+    by_dir = {run_dir_name(label): label for label in labels}
+    runs = [(by_dir.get(d.parent.name, d.parent.name), d) for d in suite_dir.glob("*/seed*")
+            if (d / "results.json").exists()]
+    order = {label: i for i, label in enumerate(labels)}
+    return sorted(runs, key=lambda r: (order.get(r[0], len(order)), r[0], r[1].name))
+
+
+def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.01, device: str = "cpu") -> dict:
+    """Analyse every finished MoE run of a suite folder (each into ``RUN/analysis``) and write
+    ``SUITE/analysis.json``: per model, the mean and std over seeds of every :data:`SUITE_STATS` entry,
+    rounded as printed, beside its random-routing baseline."""
+    from mhmoe.config.run import RunConfig
+
+    root = Path(suite_dir)
+    per_label: dict[str, list[dict]] = {}
+    for label, run_dir in _suite_runs(root):
+        if RunConfig.load(run_dir / "config.yaml").model.moe.kind == "dense":
+            continue
+        per_label.setdefault(label, []).append(analyze_checkpoint(str(run_dir), str(run_dir / "analysis"), None,
+                                                                  batches, threshold, device))
+    if not per_label:
+        raise ValueError(f"{root}: no finished MoE runs to analyse (expected {root}/<model>/seed<k>/results.json)")
+    rows = []
+    for label, summaries in per_label.items():
+        row: dict = {"label": label, "seeds": len(summaries), "tokens_analysed": summaries[0]["tokens_analysed"],
+                     "max_possible_diversity": summaries[0]["max_possible_diversity"]}
+        for name, (read, digits) in SUITE_STATS.items():
+            v = [float(read(s)) for s in summaries]
+            row[name] = {"mean": round(float(np.mean(v)), digits),
+                         "std": round(float(np.std(v, ddof=1)), digits) if len(v) > 1 else 0.0}
+        rows.append(row)
+    out = {"suite_dir": str(root), "threshold": threshold, "batches": batches, "rows": rows}
+    (root / "analysis.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return out

@@ -168,10 +168,14 @@ def suite_rows(name: str) -> list[Row]:
     return SUITES[name]
 
 
-def _run_dir(out: Path, label: str, seed: int) -> Path:
+def run_dir_name(label: str) -> str:
+    """The folder name of a row's runs (ASCII letters, digits, ``-_.``)."""
     label = label.replace("✓", "on").replace("✗", "off").replace(" ", "_")
-    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label)
-    return out / safe / f"seed{seed}"
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label)
+
+
+def _run_dir(out: Path, label: str, seed: int) -> Path:
+    return out / run_dir_name(label) / f"seed{seed}"
 
 
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, tokens: int | None = None,
