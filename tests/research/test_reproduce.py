@@ -154,3 +154,15 @@ def test_renorm_ablation_reuses_the_v2_table1_runs(tmp_path, monkeypatch):
     rows = {r["label"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
     assert rows["MH-MoE (head=3), raw top-k weights"]["ppl"]["kjv"]["mean"] == 105.5
     assert rows["MH-MoE (head=3)"]["ppl"]["kjv"]["mean"] == 100.5
+
+
+def test_rows_selects_a_subset_of_the_table(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    res = reproduce.run_suite("icml-table1", tmp_path, only=["X-MoE (8 experts)", "MH-MoE (8 experts)"], progress=False)
+    assert [r["label"] for r in res] == ["X-MoE (8 experts)", "MH-MoE (8 experts)"] and len(calls) == 2
+    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (8 experts)",
+                 "--report-only"]) == 0
+    assert "MH-MoE (8 experts)" not in (tmp_path / "results.md").read_text()
+    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (9 experts)"]) == 2
+    assert "--rows" in capsys.readouterr().err

@@ -18,6 +18,7 @@ def _add_reproduce(sub) -> None:
     p.add_argument("--tokens", type=int, help="training token budget per run (default: the preset's)")
     p.add_argument("--out", help="output directory (default runs/reproduce/SUITE-SCALE)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for every run")
+    p.add_argument("--rows", action="append", metavar="LABEL", help="train and report only this row (repeatable)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: write the tables and curves from the runs that already finished")
@@ -30,7 +31,7 @@ def _run_reproduce(args: argparse.Namespace) -> int:
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
     run_suite(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
-              progress=not args.no_progress, train_missing=not args.report_only)
+              progress=not args.no_progress, train_missing=not args.report_only, only=args.rows)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
 

@@ -174,15 +174,27 @@ def run_dir_name(label: str) -> str:
     return "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label)
 
 
+def select_rows(name: str, only: list[str] | None = None) -> list[Row]:
+    """The rows of suite ``name`` whose labels are in ``only`` (all rows when None), in table order."""
+    rows = suite_rows(name)
+    labels = [r.label for r in rows]
+    for label in only or []:
+        if label not in labels:
+            raise ConfigError("--rows", label, " | ".join(labels))
+    return [r for r in rows if only is None or r.label in only]
+
+
 def _run_dir(out: Path, label: str, seed: int) -> Path:
     return out / run_dir_name(label) / f"seed{seed}"
 
 
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, tokens: int | None = None,
-              overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True) -> list[dict]:
-    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md and curves.png.
+              overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True,
+              only: list[str] | None = None) -> list[dict]:
+    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md, summary.json and curves.png.
 
     ``train_missing=False`` trains nothing and reports the runs that already finished (an error if none).
+    ``only``: the labels of the rows to train and report (default: every row).
     """
     from mhmoe.train.loop import train
 
@@ -192,7 +204,7 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
         raise ConfigError("--seeds", seeds, "an integer >= 1")
     out = Path(out)
     results = []
-    rows = suite_rows(name)
+    rows = select_rows(name, only)
     built = [(row, row.build(scale)) for row in rows]
     for seed in range(seeds):  # seed-major: an interrupted suite has whole seeds of every row
         for row, base in built:
