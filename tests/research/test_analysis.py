@@ -113,6 +113,7 @@ def test_analyze_suite_reports_mean_std_beside_random_routing(tmp_path, capsys):
     assert [r["label"] for r in res["rows"]] == ["MH"]  # the dense run has no routing
     row = res["rows"][0]
     assert row["seeds"] == 2 and row["max_possible_diversity"] == 6  # 3 heads x top-3 over 6 experts
+    assert (row["n_experts"], row["heads"], row["top_k"], row["moe_layers"]) == (6, 3, 3, 1)
     assert row["uniform_frequency"] == {"mean": 1.5, "std": 0.0}  # H*K/E = 3*3/6
     assert row["expected_random_diversity"]["mean"] == round(6 * (1 - 0.5 ** 3), 2)
     assert (suite / "analysis.json").exists() and (suite / "MH" / "seed1" / "analysis" / "summary.json").exists()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,9 @@ def summarize(records: list[RoutingRecord], threshold: float) -> dict:
         "load_imbalance_per_layer": [load_imbalance(r.counts) for r in records],
         "mean_assign_diversity": float(div.mean()) if div.numel() else 0.0,
         "max_possible_diversity": max((min(r.n_experts, r.slots_per_token) for r in records), default=0),
+        "n_experts": records[0].n_experts if records else 0,
+        "heads": records[0].heads if records else 0,
+        "top_k": records[0].top_k if records else 0,
         "random_routing": random_baseline(records, threshold),
         "frequency": freq,
         "diversity": div,
@@ -290,8 +294,12 @@ def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.
         raise ValueError(f"{root}: no finished MoE runs to analyse (expected {root}/<model>/seed<k>/results.json)")
     rows = []
     for label, summaries in per_label.items():
-        row: dict = {"label": label, "seeds": len(summaries), "tokens_analysed": summaries[0]["tokens_analysed"],
-                     "max_possible_diversity": summaries[0]["max_possible_diversity"]}
+        first = summaries[0]
+        row: dict = {"label": label, "seeds": len(summaries), "tokens_analysed": first["tokens_analysed"],
+                     "moe_layers": len(first["load_imbalance_per_layer"]), "n_experts": first["n_experts"],
+                     "heads": first["heads"], "top_k": first["top_k"],
+                     "log_n_experts": round(math.log(first["n_experts"]), 2),
+                     "max_possible_diversity": first["max_possible_diversity"]}
         for name, (read, digits) in SUITE_STATS.items():
             v = [float(read(s)) for s in summaries]
             row[name] = {"mean": round(float(np.mean(v)), digits),
