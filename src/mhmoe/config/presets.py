@@ -12,13 +12,13 @@ scaled down for a 2-core CPU, d=192, 4 layers):
 - ``icml-xmoe-E`` / ``icml-mh4-E`` (E = 8, 32): the ICML paper's setting -- X-MoE router, ReLU
   experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d). The
   X-MoE routing space is 16-dim, MH-MoE's 16/h (ICML Table 9; :func:`icml_router_dim`).
-
-Top-k combine weights are renormalised for top_k > 1 (``MoEConfig.renormalize`` auto, as GShard /
-X-MoE); ``--set model.moe.renormalize=false`` gives the raw gate values.
 - ``*-bitnet`` (dense, smoe, fgmoe, mh2, mh3): the same models trained with BitNet b1.58
   quantization (``model.quant=bitnet158``, v2 paper Table 3) and the BitNet schedule defaults:
   peak lr 2x the full-precision one, lr halved at the halfway point (``lr_stage2_ratio=0.5``),
   weight decay 0.1 -> 0 at the halfway point, no head/merge biases (see docs/BITNET.md).
+
+Top-k combine weights are renormalised for top_k > 1 (``MoEConfig.renormalize`` auto, as GShard /
+X-MoE); ``--set model.moe.renormalize=false`` gives the raw gate values.
 """
 
 from __future__ import annotations
