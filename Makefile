@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,vocabs,parquet,bench,hf,lmeval,multimodal]"
+	$(BIN)/python -m pip install -q -e ".[test,vocabs,parquet,bench,hf,lmeval,multimodal,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)

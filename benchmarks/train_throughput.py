@@ -1,6 +1,10 @@
 """Training throughput of the presets: tokens/s of one full optimizer step (forward + backward +
-gradient clipping + AdamW + aux-free balance step, exactly as in :func:`mhmoe.train.train`) on random
-token batches of the preset's ``batch_size x seq_len``.
+gradient clipping + fused AdamW that skips non-finite steps on the device + aux-free balance step, the
+pieces :meth:`mhmoe.train.loop.Trainer.train_step` runs) on random token batches of the preset's
+``batch_size x seq_len``. Every row reports the model's analytic forward FLOPs per token
+(:func:`mhmoe.config.flops.model_flops_per_token`, the same for every execution path) and, on a GPU
+whose bf16 peak is known (or with ``--peak-tflops``), the model FLOPs utilisation
+MFU = 3 x FLOPs/token x tokens/s / peak.
 
 Timing: ``--warmup`` untimed steps, then the median of ``--steps`` timed steps (CUDA steps are
 synchronised). Prints a markdown table and, with ``--json PATH``, writes the rows plus a ``machine``
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -27,15 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.presets import get_preset, preset_names
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
+from mhmoe.research.bench import bf16_peak_tflops
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.device import autocast_ctx
-from mhmoe.train.evaluate import forward_flops_per_token
 from mhmoe.train.optim import build_optimizer
+from mhmoe.train.parallelism import SingleProcess
 
 DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n and "-bitnet" not in n]
 
@@ -73,7 +79,7 @@ def _sync(device: torch.device) -> None:
 
 def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup: int,
                  batch_size: int | None = None, seq_len: int | None = None, seed: int = 0,
-                 overrides: list[str] | None = None) -> dict[str, Any]:
+                 overrides: list[str] | None = None, peak_tflops: float | None = None) -> dict[str, Any]:
     run = get_preset(name)
     sets = [f"train.dtype={dtype}", *(overrides or [])]
     if batch_size:
@@ -85,8 +91,9 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
     cfg = run.train
     torch.manual_seed(seed)
     model = LM(run.model).to(device)
-    flops = forward_flops_per_token(model, cfg.seq_len, device)
-    opt = build_optimizer(model, cfg, fused=device.type == "cuda")
+    flops = model_flops_per_token(run.model, cfg.seq_len).total
+    par = SingleProcess(device)
+    opt = build_optimizer(model, cfg, fused=par.fused_optimizer)
     g = torch.Generator(device="cpu").manual_seed(seed)
     V, B, T = run.model.vocab_size, cfg.batch_size, cfg.seq_len
     batches = [torch.randint(0, V, (B, T + 1), generator=g).to(device) for _ in range(min(4, warmup + steps))]
@@ -98,12 +105,11 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
         with autocast_ctx(device, cfg.dtype):
             out = model(batch[:, :-1], batch[:, 1:])
         (out.loss + out.aux_loss).backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        gnorm = par.finish_grads(model, cfg.grad_clip or math.inf, torch.isfinite(out.loss + out.aux_loss))
+        par.optimizer_step(opt, torch.isfinite(gnorm))
         opt.zero_grad(set_to_none=True)
         if out.routing:
-            model.balance_step(out.routing)
+            model.balance_step(out.routing, torch.isfinite(gnorm))
         _sync(device)
         return time.perf_counter() - t0
 
@@ -112,6 +118,7 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
         step(i)
     times = [step(warmup + i) for i in range(steps)]
     sec = statistics.median(times)
+    peak = peak_tflops or (bf16_peak_tflops(device) if dtype == "bfloat16" else None)
     return {
         "preset": name,
         "overrides": list(overrides or []),
@@ -124,16 +131,20 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
         "tokens_per_step": B * T,
         "ms_per_step": sec * 1e3,
         "tokens_per_s": B * T / sec,
+        "peak_tflops": peak,
+        "mfu": 3 * flops * B * T / sec / (peak * 1e12) if peak else None,
         "step_times_s": times,
     }
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step"]
+    head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step", "MFU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         lines.append(f"| {r['preset']} | {r['device']} | {r['dtype']} | {r['params'] / 1e6:.2f}M | "
-                     f"{r['fwd_flops_per_token'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} |")
+                     f"{r['fwd_flops_per_token'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
+                     f"{mfu} |")
     return "\n".join(lines)
 
 
@@ -152,6 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, help="override the presets' sequence length")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="config override for every preset, e.g. model.moe.impl=sorted (repeatable)")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: known GPUs)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and machine info as JSON")
     return p.parse_args(argv)
 
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for dev in devices:
         for name in args.presets:
             row = bench_preset(name, torch.device(dev), args.dtype, args.steps, args.warmup, args.batch_size,
-                               args.seq_len, overrides=args.overrides)
+                               args.seq_len, overrides=args.overrides, peak_tflops=args.peak_tflops)
             rows.append(row)
             print(f"[{dev}] {name}: {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step",
                   file=sys.stderr, flush=True)

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run on CPU tensors through Triton's interpreter; @triton.jit reads the
+# variable when a kernels module is imported, so it is set before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -12,15 +12,18 @@ from mhmoe.research.bench import time_fns
 def test_bench_moe_json_schema(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "moe", "--configs", "smoe", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
-                 "--json", str(out)]) == 0
+                 "--peers", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {"cpu", "threads", "torch", "device"} <= set(data["machine"])
     assert {(r["config"], r["dtype"], r["pass"]) for r in data["rows"]} == {
         ("smoe", "float32", "fwd"), ("smoe", "float32", "fwd_bwd")}
     for r in data["rows"]:
-        for key in ("tokens", "ms_ours", "ms_loop", "ms_dense", "ratio_dense", "ratio_loop", "ms_sorted"):
+        for key in ("tokens", "ms_ours", "ms_loop", "ms_dense", "ratio_dense", "ratio_loop", "ms_sorted", "ms_floor"):
             assert key in r
-        assert r["ratio_dense"] == r["ms_dense"] / r["ms_ours"] and r["tokens"] == 32
+        assert r["dense_hidden"] % 128 == 0  # tensor-core aligned
+        assert r["ms_dense_norm"] == pytest.approx(r["ms_dense"] * r["flops_fwd"] / r["dense_flops_fwd"])
+        assert r["ratio_dense"] == r["ms_dense_norm"] / r["ms_ours"] and r["tokens"] == 32
+        assert r["ratio_floor"] == r["ms_floor"] / r["ms_ours"]
     assert "| smoe | float32 | fwd |" in capsys.readouterr().out
     assert main(["bench", "moe", "--configs", "huge"]) == 2
 
@@ -29,14 +32,14 @@ def test_bench_peers_rows(tmp_path):
     """Peers (the `bench` extra) get their own columns where they can express the config (top-2 here)."""
     from mhmoe.research.bench_peers import installed_peers
 
-    peers = installed_peers()
+    peers = [p for p in installed_peers() if p in ("st_moe", "hf_grouped_mm")]  # one of each family: fast
     if not peers:
         pytest.skip("no peer MoE package installed (pip install 'mhmoe[bench]')")
     out = tmp_path / "bench.json"
     assert main(["bench", "moe", "--configs", "fgmoe", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
                  "--no-loop", "--peers", *peers, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data["machine"]["peers"]) == set(peers)
+    assert set(peers) <= set(data["machine"]["peers"])
     for r in data["rows"]:
         for p in peers:
             assert r[f"ms_peer_{p}"] > 0 and r[f"ratio_peer_{p}"] == r[f"ms_peer_{p}"] / r["ms_ours"]
@@ -72,3 +75,27 @@ def test_time_fns_round_robin_and_fallible_peers():
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then one of each per repeat, in turn
     with pytest.raises(RuntimeError):  # our own paths must not fail silently
         time_fns({"ours": fails}, torch.device("cpu"), repeats=1)
+
+
+def test_aligned_dense_width_and_gemm_floor():
+    from mhmoe.research.bench import CONFIGS, GemmFloor, aligned_hidden
+
+    assert aligned_hidden(6 * 768 * 2051, 768) == 2048 and aligned_hidden(6 * 768 * 2200, 768) == 2176
+    assert aligned_hidden(10.0, 768) == 128
+    floor = GemmFloor(CONFIGS["mh3"], tokens=64)
+    out = floor(torch.zeros(1, 768))
+    assert out.shape == (96, 6, 256)  # 64 tokens x 3 heads x top-3 = 576 rows over 96 experts; d/h = 256
+
+
+@pytest.mark.parametrize("heads, k", [(1, 1), (3, 3)])
+def test_hf_peer_block_shapes_and_grads(heads, k):
+    pytest.importorskip("transformers")
+    from mhmoe.research.bench_peers import build_peer
+
+    for backend in ("hf_eager", "hf_grouped_mm", "hf_batched_mm"):
+        layer = build_peer(backend, 48, 6, 32, k, heads, group=8)
+        x = torch.randn(16, 48, requires_grad=True)
+        out = layer(x)
+        assert out.out.shape == (16, 48) and float(out.aux_loss) == 0.0
+        out.out.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0, backend

@@ -23,7 +23,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--no-input-grad", action="store_true",
                    help="fwd_bwd without the layer input's gradient (default: with it, as inside a network)")
     p.add_argument("--peers", nargs="*", default=None, metavar="PEER",
-                   help="peer MoE libraries to time (st_moe, moe; default: those installed -- the `bench` extra); "
+                   help="peer MoE layers to time (st_moe, moe, hf_eager, hf_grouped_mm, hf_batched_mm; default: on "
+                   "CUDA the transformers block's three backends, on CPU every installed peer but hf_eager); "
                    "--peers with no name skips them")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout)")
     p.set_defaults(func=_run_bench)
@@ -37,13 +38,13 @@ def _run_bench(args) -> int:
     if bad or args.tokens < 1 or args.repeats < 1:
         raise ConfigError("bench", bad or (args.tokens, args.repeats),
                           f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
-    from mhmoe.research.bench_peers import installed_peers
+    from mhmoe.research.bench_peers import default_peers, installed_peers
 
-    peers = installed_peers() if args.peers is None else args.peers
+    device = resolve_device(args.device, "--device")
+    peers = default_peers(device.type) if args.peers is None else args.peers
     missing = [p for p in peers if p not in installed_peers()]
     if missing:
-        raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench]')")
-    device = resolve_device(args.device)
+        raise ConfigError("--peers", missing, f"installed peers {installed_peers()} (pip install 'mhmoe[bench,hf]')")
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
                            with_loop=not args.no_loop, peers=tuple(peers), input_grad=not args.no_input_grad,
                            progress=lambda m: print(f"[bench] {m}", file=sys.stderr))

@@ -20,7 +20,7 @@ ROUTERS = ("softmax", "xmoe", "noisy", "sigmoid", "expert_choice")
 XMOE_GATES = ("softmax", "sigmoid")
 RESIDUALS = ("block", "subtoken")
 KINDS = ("dense", "moe")
-IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "loop")
+IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop")
 CAPACITY_PRIORITIES = ("causal", "gshard")
 BIAS_INITS = ("torch", "zero")
 ENTROPY_MODES = ("token", "batch")
@@ -80,7 +80,7 @@ class MoEConfig:
     # code, ICML App. E, only zeroes the merge bias) | zero. The merge bias always starts at zero.
     head_bias_init: str = "torch"
     # ---- execution -------------------------------------------------------------------------------
-    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | loop (loop = the oracle)
+    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | triton | loop (loop = the oracle)
     init_std: float = 0.02
     # ---- quantization (docs/BITNET.md) ---------------------------------------------------------------
     # none | bitnet158: ternary experts (gamma per expert), 8-bit activations, per-expert sub-norms,

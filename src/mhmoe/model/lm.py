@@ -193,7 +193,9 @@ class LM(nn.Module):
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        x = self.embed(idx)
+        # a row gather whose backward is index_add: nn.Embedding's CUDA backward reads a segment count on
+        # the host (a device sync in every training step); on CPU both are the same computation
+        x = self.embed.weight.index_select(0, idx.reshape(-1)).view(B, T, -1)
         aux = torch.zeros((), dtype=torch.float32, device=idx.device)
         routing: list[RoutingStats] = []
         outputs: list[FFNOutput] = []

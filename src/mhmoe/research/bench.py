@@ -1,9 +1,23 @@
-"""MoE layer benchmark: our execution paths vs the masked per-expert loop vs a same-FLOPs dense FFN.
+"""MoE layer benchmark: our execution paths vs the masked per-expert loop vs a same-FLOPs dense FFN vs
+the GEMM floor vs peer libraries.
 
 Configurations are the v2 paper's four parity models at d=768 (SwiGLU): SMoE 8x2048 top-1,
 fine-grained 16x1024 top-2, MH-MoE h=2 40x768 top-2 and h=3 96x512 top-3 (with head/merge layers).
-The dense reference is one SwiGLU FFN whose hidden width makes its matmul FLOPs equal to the MoE
-layer's, *measured* with FlopCounterMode (so head/merge and router FLOPs are included).
+
+References in every row:
+
+- ``dense``: one SwiGLU FFN whose hidden width is the multiple of 128 closest to the width that makes
+  its matmul FLOPs equal to the MoE layer's (measured with FlopCounterMode, so head/merge and router
+  FLOPs are included): tensor-core friendly, as a real dense model would be. Its time is reported as
+  measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs (``ms_dense_norm``);
+  ``ratio_dense`` = ms_dense_norm / ms_ours.
+- ``floor``: the expert GEMMs alone -- every expert gets the same number of rows (the routed rows /
+  E), run as batched GEMMs on pre-gathered blocks: no router, no dispatch, no combine, no head/merge.
+- peers (:mod:`mhmoe.research.bench_peers`): HF transformers' Qwen3-MoE block with each of its experts
+  backends, and the PyPI MoE packages, configured like our layer.
+
+On CUDA every row also records the peak memory of each candidate (``mb_<name>``, MiB above the
+inputs and weights).
 
 Timing: warm-up, then the median of ``repeats`` runs, all candidates of a row timed round-robin
 (:func:`time_fns`); ``fwd`` runs under ``torch.no_grad()``,
@@ -24,7 +38,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.config.moe import MoEConfig
-from mhmoe.moe.experts import DenseFFN
+from mhmoe.moe.experts import DenseFFN, GroupedExperts
 from mhmoe.moe.layers import build_ffn_layer
 
 D_MODEL = 768
@@ -55,9 +69,40 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("fwd", "fwd_bwd")
 
 
+ALIGN = 128  # the dense reference's hidden width is a multiple of this (tensor-core friendly)
+
+
 def available_impls(device: torch.device) -> list[str]:
-    """Our execution paths usable on ``device`` (the loop oracle is measured separately)."""
-    return ["padded", "fused", "chunked", "sorted"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+    """Our execution paths usable on ``device`` (the loop oracle is measured separately). On CUDA the
+    CPU-oriented ``fused``/``chunked`` (per-expert Python loops with host syncs) are left out; ``triton``
+    runs when the package is installed (on CPU only its interpreter could run it: not timed)."""
+    grouped = ["grouped_mm"] if hasattr(torch, "_grouped_mm") else []
+    if device.type == "cuda":
+        from mhmoe.moe.dispatch.triton import triton_available
+
+        return grouped + (["triton"] if triton_available() else []) + ["sorted", "padded"]
+    return ["padded", "fused", "chunked", "sorted"] + grouped
+
+
+def aligned_hidden(flops_per_token: float, d_model: int, align: int = ALIGN) -> int:
+    """The SwiGLU hidden width, a multiple of ``align``, closest to ``flops_per_token`` (6 d F FLOPs/token)."""
+    return max(align, round(flops_per_token / (6 * d_model) / align) * align)
+
+
+class GemmFloor(torch.nn.Module):
+    """The expert GEMMs of a config alone: E SwiGLU experts, each on the same number of rows (routed
+    rows / E, pre-gathered into [E, R, D_in] blocks), as batched GEMMs. forward(x [tokens, D]) ignores
+    x's values (it only sets the dtype/device) and returns the [E, R, D_in] outputs."""
+
+    def __init__(self, cfg: BenchConfig, tokens: int, d_model: int = D_MODEL) -> None:
+        super().__init__()
+        d_in = d_model // cfg.heads
+        rows = -(-tokens * cfg.heads * cfg.top_k // cfg.experts)
+        self.experts = GroupedExperts(cfg.experts, d_in, cfg.d_expert)
+        self.blocks = torch.nn.Parameter(torch.randn(cfg.experts, rows, d_in))  # stands in for the gathered rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts.forward_padded(self.blocks.to(x.dtype))
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -74,6 +119,23 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+# Dense bf16 tensor-core peak TFLOP/s (no sparsity) by GPU name, from the vendors' data sheets; the
+# denominator of model FLOPs utilisation (MFU). Unknown devices: pass the peak explicitly.
+BF16_PEAK_TFLOPS = {"H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.5,
+                    "H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0, "A10G": 70.0}
+
+
+def bf16_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s (None when unknown, e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in BF16_PEAK_TFLOPS.items():  # most specific names first
+        if key in name:
+            return peak
+    return None
 
 
 def _sync(device: torch.device) -> None:
@@ -146,60 +208,98 @@ def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = (),
-                 input_grad: bool = True) -> list[dict]:
-    """``input_grad``: the backward also computes the layer input's gradient, as every layer inside a
-    network must (off, a path may skip its input-side GEMMs and a dense FFN its W1/W3 data gradients)."""
-    torch.manual_seed(0)
-    x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
+def _autocast_peer(name: str) -> bool:
+    from mhmoe.research.bench_peers import NATIVE_DTYPE
+
+    return name.startswith("peer_") and name[5:] not in NATIVE_DTYPE
+
+
+def _peak_mb(fns: dict[str, Callable[[], Any]], device: torch.device) -> dict[str, float]:
+    """Peak CUDA memory of one call of every function, MiB above what was allocated before it."""
+    out = {}
+    for name, fn in fns.items():
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        out["mb_" + name[3:]] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return out
+
+
+def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: torch.device, with_loop: bool,
+                peers: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], dict[str, torch.nn.Module], int]:
+    """(our layers by impl, references and peers by name, the layer's forward FLOPs)."""
+    tokens = x.shape[0]
     layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
               for impl in available_impls(device)}
     first = next(iter(layers.values()))
     for layer in layers.values():
         layer.load_state_dict(first.state_dict())
     flops = layer_flops(first, x)
-    dense_hidden = max(1, round(flops / tokens / (6 * D_MODEL)))
-    dense = DenseFFN(D_MODEL, dense_hidden).to(device, dtype)
-    loop = None
+    refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL)),
+                                        "floor": GemmFloor(cfg, tokens)}
     if with_loop:
-        loop = build_ffn_layer(D_MODEL, cfg.moe_config("loop")).to(device, dtype)
-        loop.load_state_dict(first.state_dict())
-    peer_layers = {}
+        refs["loop"] = build_ffn_layer(D_MODEL, cfg.moe_config("loop"))
+        refs["loop"].load_state_dict(first.state_dict())
     for name in peers:
         from mhmoe.research.bench_peers import build_peer
 
         layer = build_peer(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, PEER_GROUP
                            if tokens % PEER_GROUP == 0 else tokens)
-        if layer is not None:  # fp32 weights; bf16 runs under autocast (their dispatch tensors are fp32)
-            peer_layers[name] = layer.to(device)
+        if layer is not None:
+            refs[f"peer_{name}"] = layer
+    for name, m in refs.items():  # PyPI peers keep fp32 weights and run under autocast (fp32 dispatch tensors)
+        refs[name] = m.to(device) if _autocast_peer(name) else m.to(device, dtype)
+    return layers, refs, flops
+
+
+def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
+                 passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = (),
+                 input_grad: bool = True) -> list[dict]:
+    """One row per pass. ``input_grad``: the backward also computes the layer input's gradient, as every
+    layer inside a network must (off, a path may skip its input-side GEMMs and a dense FFN its W1/W3
+    data gradients)."""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
+    layers, refs, flops = _candidates(cfg, x, dtype, device, with_loop, peers)
+    dense_flops = layer_flops(refs["dense"], x)
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
-                               "dense_hidden": dense_hidden}
+                               "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": dense_flops}
         fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
-        fns["ms_dense"] = _runner(dense, x, pass_)
-        if loop is not None:
-            fns["ms_loop"] = _runner(loop, x, pass_)
-        for name, layer in peer_layers.items():  # bf16: under autocast (fp32 weights)
-            run = _runner(layer, x, pass_)
-            fns[f"ms_peer_{name}"] = run if dtype == torch.float32 else _autocast(run, device, dtype)
-        times, errors = time_fns(fns, device, repeats, fallible=frozenset(f"ms_peer_{n}" for n in peer_layers))
+        for name, m in refs.items():  # peers in bf16: under autocast (fp32 weights)
+            run = _runner(m, x, pass_)
+            fns[f"ms_{name}"] = _autocast(run, device, dtype) if _autocast_peer(name) and dtype != torch.float32 \
+                else run
+        peer_keys = frozenset(k for k in fns if k.startswith("ms_peer_"))
+        times, errors = time_fns(fns, device, repeats, fallible=peer_keys)
         row.update(times)
-        best = min(layers, key=lambda i: row[f"ms_{i}"])
-        row["best_impl"] = best
-        row["ms_ours"] = row[f"ms_{best}"]
-        row.setdefault("ms_loop", None)
-        row["ratio_dense"] = row["ms_dense"] / row["ms_ours"]
-        row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
-        for name in peer_layers:
-            ms = row.setdefault(f"ms_peer_{name}", None)
-            row[f"ratio_peer_{name}"] = ms / row["ms_ours"] if ms else None
-            if f"ms_peer_{name}" in errors:  # a peer that cannot run this config/dtype: recorded, not fatal
-                row.setdefault("peer_errors", {})[name] = errors[f"ms_peer_{name}"]
+        if device.type == "cuda":
+            row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
+        _summarise(row, layers, refs, errors, flops / dense_flops)
         rows.append(row)
     return rows
+
+
+def _summarise(row: dict[str, Any], layers: dict, refs: dict, errors: dict[str, str], flop_ratio: float) -> None:
+    """Best path, dense (FLOP-normalised), floor, loop and peer ratios of one row (in place)."""
+    best = min(layers, key=lambda i: row[f"ms_{i}"])
+    row["best_impl"], row["ms_ours"] = best, row[f"ms_{best}"]
+    row["ms_dense_norm"] = row["ms_dense"] * flop_ratio
+    row["ratio_dense"] = row["ms_dense_norm"] / row["ms_ours"]
+    row["ratio_floor"] = row["ms_floor"] / row["ms_ours"]
+    row.setdefault("ms_loop", None)
+    row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
+    for key in refs:
+        if not key.startswith("peer_"):
+            continue
+        ms = row.setdefault(f"ms_{key}", None)
+        row[f"ratio_{key}"] = ms / row["ms_ours"] if ms else None
+        if f"ms_{key}" in errors:  # a peer that cannot run this config/dtype: recorded, not fatal
+            row.setdefault("peer_errors", {})[key[5:]] = errors[f"ms_{key}"]
 
 
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
@@ -228,20 +328,23 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
 
 def format_rows(result: dict) -> str:
     rows = result["rows"]
+    refs = ("ours", "dense", "dense_norm", "loop", "floor")
     impls = sorted({k[3:] for r in rows for k in r
-                    if k.startswith("ms_") and k[3:] not in ("ours", "dense", "loop") and not k.startswith("ms_peer_")})
+                    if k.startswith("ms_") and k[3:] not in refs and not k.startswith("ms_peer_")})
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
-            + ["ours ms", "loop ms", "dense ms", "dense/ours", "loop/ours", "vs smoe"]
+            + ["ours ms", "loop ms", "dense ms", "dense/ours", "floor ms", "floor/ours", "loop/ours", "vs smoe"]
             + [c for p in peers for c in (f"{p} ms", f"{p}/ours")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
         cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
-                  fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
+                  fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         lines.append("| " + " | ".join(cells) + " |")
     m = result["machine"]
-    lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}")
+    gpu = f" ({m['gpu']})" if m.get("gpu") else ""
+    lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}{gpu}; "
+                 "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs")
     return "\n".join(lines)

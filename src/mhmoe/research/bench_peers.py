@@ -14,6 +14,14 @@ Tokens are grouped into sequences of ``group`` tokens (their capacity is per seq
 the peers keep fp32 weights and run under ``torch.autocast`` (both build fp32 dispatch tensors and
 fail on bf16 inputs otherwise), as a user of those libraries would.
 A peer that cannot express a config (top-1, or top-3 for ``moe``) is skipped for it.
+
+- ``hf_eager`` / ``hf_grouped_mm`` / ``hf_batched_mm`` -- Hugging Face transformers' Qwen3-MoE sparse
+  block (``Qwen3MoeSparseMoeBlock``: softmax top-k router, stacked SwiGLU experts, dropless) with each
+  of its experts backends (``config._experts_implementation``: the per-expert loop, ``grouped_mm``,
+  ``batched_mm``), sized like our layer (hidden ``d/h``, expert width F, E experts, top-k; top-k
+  weights not renormalised, as in our configs), router and experts initialised N(0, 0.02). It returns
+  no auxiliary loss. In bfloat16 its weights are cast to bf16 (transformers runs models in the model
+  dtype), so it gets the same inputs as our layer.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PEERS = {"st_moe": "st_moe_pytorch", "moe": "mixture_of_experts"}
+PEERS = {"st_moe": "st_moe_pytorch", "moe": "mixture_of_experts", "hf_eager": "transformers",
+         "hf_grouped_mm": "transformers", "hf_batched_mm": "transformers"}
+NATIVE_DTYPE = ("hf_eager", "hf_grouped_mm", "hf_batched_mm")  # peers run in the benchmark dtype (no autocast)
 
 
 def installed_peers() -> list[str]:
@@ -69,8 +79,22 @@ class PeerLayer(nn.Module):
         n, d = x.shape
         sub = self.head(x).reshape(n // self.group, self.group * self.heads, d // self.heads)  # [G, n_g*H, D/H]
         res = self.peer(sub)
-        out, aux = res[0], res[1]
+        out, aux = (res, x.new_zeros((), dtype=torch.float32)) if isinstance(res, Tensor) else (res[0], res[1])
         return PeerOutput(self.merge(out.reshape(n, d)), aux)
+
+
+def _hf_block(backend: str, d_in: int, experts: int, d_expert: int, top_k: int) -> nn.Module:
+    """transformers' Qwen3-MoE sparse block with the experts backend ``backend`` (eager | grouped_mm | batched_mm)."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=d_in, moe_intermediate_size=d_expert, num_experts=experts,
+                         num_experts_per_tok=top_k, norm_topk_prob=False, hidden_act="silu",
+                         experts_implementation=backend)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.02)
+    return block
 
 
 def build_peer(name: str, d_model: int, experts: int, d_expert: int, top_k: int, heads: int,
@@ -93,6 +117,8 @@ def build_peer(name: str, d_model: int, experts: int, d_expert: int, top_k: int,
             return None
         peer = MoE(d_in, num_experts=experts, second_policy_train="all", second_policy_eval="all",
                    experts=_SwiGLUExperts(experts, d_in, d_expert))
+    elif name in NATIVE_DTYPE:
+        peer = _hf_block(name[3:], d_in, experts, d_expert, top_k)
     else:
         raise ValueError(f"unknown peer {name!r}: allowed {', '.join(PEERS)}")
     return PeerLayer(peer, d_model, heads, group)
@@ -103,3 +129,13 @@ def peer_info() -> dict[str, Any]:
     from importlib.metadata import version
 
     return {name: version(PEERS[name].replace("_", "-")) for name in installed_peers()}
+
+
+def default_peers(device_type: str) -> list[str]:
+    """The peers ``mhmoe bench moe`` times by default: on CUDA, the transformers block with its three
+    experts backends (when installed); on CPU, every installed peer except transformers' per-expert loop
+    (``hf_eager``, as slow as our loop oracle)."""
+    names = installed_peers()
+    if device_type == "cuda":
+        return [n for n in names if n in NATIVE_DTYPE]
+    return [n for n in names if n != "hf_eager"]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.data import BatchSampler, PreparedData, prepare_data
 from mhmoe.errors import ConfigError
@@ -33,7 +34,7 @@ from mhmoe.model.lm import LM
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
-from mhmoe.train.evaluate import evaluate, forward_flops_per_token
+from mhmoe.train.evaluate import evaluate
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
@@ -195,6 +196,8 @@ class Trainer:
         aux, routing = torch.zeros_like(lm), None
         for micro in range(n):
             x, y = self.sampler.get_batch(step, micro)
+            if self.par.device.type == "cuda":  # page-locked: the copy to the device does not wait
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(self.par.device, non_blocking=True), y.to(self.par.device, non_blocking=True)
             with self.par.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.par.device, self.cfg.dtype):
@@ -329,9 +332,7 @@ class Trainer:
         if self.metrics is None:
             return res
         self.metrics.close()
-        flops_model = self.model if self.par.world_size == 1 else LM(self.run_cfg.model)
-        res.flops_per_token = forward_flops_per_token(flops_model, self.cfg.seq_len,
-                                                      self.par.device if self.par.world_size == 1 else "cpu")
+        res.flops_per_token = model_flops_per_token(self.run_cfg.model, self.cfg.seq_len).total  # analytic
         summary = {"preset": self.run_cfg.name, "step": st.step, "params": res.params,
                    "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
                    "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.par.summary()}

@@ -1,4 +1,5 @@
-"""Token dispatch: capacity, grouping (sub-token, slot) pairs by expert, combine.
+"""Token dispatch: grouping (sub-token, slot) pairs by expert, the expert GEMMs, and the weighted
+combine back to sub-token order -- one module per execution path.
 
 Shape legend: S routed (sub-)tokens, K slots per token, E experts, D_in expert width,
 N = number of valid (token, slot) pairs (N <= S*K).
@@ -18,17 +19,21 @@ Execution paths over the same :class:`~mhmoe.moe.routers.RouterOutput` (``MoECon
 - ``fused`` / ``chunked`` (:mod:`mhmoe.moe.dispatch.fused`): the sorted grouping in one ``autograd.Function``
   with gathers both ways and GEMMs into preallocated buffers; ``chunked`` also cuts every expert's
   rows into cache-sized chunks and recomputes the hidden layer in the backward (no [N, F] storage).
+- ``triton`` (:mod:`mhmoe.moe.dispatch.triton`): Triton kernels -- the row gather fused into the first
+  grouped GEMM + SwiGLU, the second grouped GEMM fused with the weighted scatter to slot order, matching
+  backward kernels; no host synchronisation, no atomics (needs ``pip install 'mhmoe[triton]'``).
 - ``loop`` (:func:`mhmoe.moe.reference.loop_moe`): the per-expert masked loop, the oracle.
 - ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA, ``fused`` on CPU (``sorted`` for thin, wide experts -- :func:`thin_wide`
-  -- and for those ``fused`` does not cover: biases, quantization).
+  ``grouped_mm`` on CUDA (``triton`` is opt-in until the GPU benchmark shows it ahead), ``fused`` on
+  CPU (``sorted`` for thin, wide experts -- :func:`thin_wide` -- and for those ``fused`` does not cover:
+  biases, quantization).
   ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
   the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.runtime.cpu_malloc`) it was slower than
   ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
-run the quantized FFN; ``fused`` (a hand-written backward without activation quantization or
-sub-norms) is not used -- :func:`choose_impl` falls back to ``sorted``.
+run the quantized FFN; ``fused`` and ``triton`` (hand-written backwards without biases, activation
+quantization or sub-norms) are not used -- :func:`choose_impl` falls back to ``sorted``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from mhmoe.moe.dispatch.fused import chunked_moe, fused_moe
 from mhmoe.moe.dispatch.grouped import grouped_mm_supported, grouped_moe
 from mhmoe.moe.dispatch.padded import padded_moe
 from mhmoe.moe.dispatch.sorted import sorted_moe
+from mhmoe.moe.dispatch.triton import triton_moe
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.reference import loop_moe
 from mhmoe.moe.routers import RouterOutput
@@ -76,6 +82,8 @@ def choose_impl(impl: str, x: Tensor, experts: GroupedExperts) -> DispatchFn:
         if not fused_ok:
             return sorted_moe
         return fused_moe if impl == "fused" else chunked_moe
+    if impl == "triton":  # biased or quantized experts: sorted; a missing triton is a one-line error
+        return triton_moe if fused_ok else sorted_moe
     if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
         return grouped_moe
     if impl == "auto" and not x.is_cuda and fused_ok and not thin_wide(experts):

@@ -1,0 +1,183 @@
+"""Dropless grouped MoE in Triton: :func:`triton_moe` (x [S, D] -> [S, D], the contract of ``sorted_moe``).
+
+Shape legend: S routed (sub-)tokens (B*T*H for MH-MoE), K slots per token, SK = S*K, E experts,
+D expert in/out width (d_model / H), F expert hidden width, N <= SK valid (token, slot) pairs,
+BLOCK_M rows per tile, G = SK // BLOCK_M + min(E, SK) tiles (upper bound).
+
+Routing glue (torch, :func:`~mhmoe.moe.dispatch.triton.kernels.route_plan`, on the device, no host sync): key =
+where(valid, expert, E); a stable sort by key gives ``order`` (the slot of every sorted row; invalid
+slots last); ``searchsorted`` on the sorted keys gives each expert's row range [starts[e], ends[e]);
+a tile table (expert, first row) of every BLOCK_M-row tile is sized by the bound G, so no shape
+depends on the routing -- surplus programs read expert E and return at once.
+
+Kernels (:mod:`mhmoe.moe.dispatch.triton.kernels`; sorted row r belongs to slot order[r] = token order[r] // K):
+
+forward
+  1. ``_up_fwd_kernel`` [G x F/BN]: x rows gathered by token inside the kernel (no gathered copy of
+     x) @ W1[e] (and W3[e]); the epilogue stores the pre-activations h1, h3 [SK, F] (training) or,
+     without autograd, the activation silu(h1)*h3 | relu(h1) only.
+  2. ``_down_fwd_kernel`` [G x D/BN]: the activation is recomputed from h1, h3 on load (never stored)
+     @ W2[e]; the epilogue multiplies by the routing weight and scatters each row to its slot.
+  3. ``_ksum_kernel``: out[s] = sum of the valid slots of token s in k order (fp32). For K = 1 the
+     slot is the token: kernel 2 writes the output directly and this pass is skipped.
+backward
+  4. ``_act_bwd_kernel`` [G x F/BN]: dout rows gathered by token @ W2[e]^T = G; epilogue: w * G ->
+     SwiGLU / ReLU backward -> dh1, dh3 [SK, F]; plus sum_f act * G over its hidden tile, the partial
+     of d w[s,k] = <y_slot, dout[s]> = <act, dout W2^T> (so y is never stored; the partials, one
+     per 32/64 hidden units, are summed in torch).
+  5. ``_wgrad_down_kernel`` [E x F/BM x D/BN]: dW2[e] = act^T (w * dout[tok]), act recomputed and the
+     weighted dout gathered on load, reduced over expert e's rows.
+  6. ``_wgrad_up_kernel`` [E x D/BM x F/BN]: dW1[e] = x[tok]^T dh1, dW3[e] = x[tok]^T dh3 (x gathered).
+  7. ``_dx_kernel`` [G x D/BN]: dh1 W1[e]^T + dh3 W3[e]^T scattered to slots, then ``_ksum_kernel``
+     (K = 1: written directly into dx).
+An expert without rows runs no reduction step in 5/6 and stores zeros. Invalid slots are in no
+tile: they contribute nothing, and their gradients stay zero (the partial buffer starts at zero).
+
+Memory kept for the backward: x itself (a view, no copy), h1 and h3 [SK, F] in the compute dtype,
+the tables. A ``torch._grouped_mm`` composition keeps the gathered x [SK, D] and about four [SK, F]
+tensors (h1, h3, silu(h1), the activation); the forward here peaks at h1, h3 and one [SK, D]
+buffer, the backward adds dh1, dh3. Without autograd only the activation [SK, F] is written.
+
+No atomics: every output element has exactly one writer. Row tiles write disjoint rows (the sort is
+a permutation); per-expert weight gradients are one program per output tile looping over the
+expert's rows in order; the K-sum and the routing-weight partials are fixed-order sums. Results are
+bitwise reproducible run to run (for a given autotuned config).
+
+Tiles: BLOCK_M = 64 rows (fixed: the tile table is built for it; small enough that experts with few
+rows waste little, one H100 m64 warpgroup MMA). BN / BK / warps / stages are autotuned per (D, F,
+dtype) on GPU from a short list sized for thin experts (D = 256..768) and F = 512..2048, fp32
+accumulation; fp32 inputs use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set.
+Under the Triton interpreter (CPU, ``TRITON_INTERPRET=1`` before the kernels are imported) one fixed
+config runs (BLOCK_M 16, BN 64, BK 32: several tiles per expert and masked edges at test sizes), with
+two interpreter-only helpers standing in for ``tl.dot`` and the fp32 -> bf16 cast, which the
+interpreter gets wrong for bf16 (see kernels.py). Under ``torch.autocast`` everything runs in the
+autocast dtype (fp32 and bf16 are supported and tested).
+
+Not supported (:func:`triton_supported` is False, the dispatcher falls back): biased experts,
+quantized (BitNet) experts, CPU tensors unless the kernels were imported under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import Tensor
+
+from mhmoe.errors import ConfigError
+from mhmoe.moe.experts import GroupedExperts
+from mhmoe.moe.routers import RouterOutput
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run (or, once imported, will run) under the Triton interpreter."""
+    mod = sys.modules.get(f"{__package__}.kernels")
+    if mod is not None:
+        return mod.INTERPRETED
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _unsupported(x: Tensor, experts: GroupedExperts) -> str | None:
+    if experts.quantized:
+        return "quantized (bitnet158) experts"
+    if any(b is not None for b in (experts.b1, experts.b2, experts.b3)):
+        return "experts with biases"
+    if _compute_dtype(x) not in _DTYPES:
+        return f"compute dtype {_compute_dtype(x)}"
+    if x.device.type == "cpu" and not _interpreted():
+        return "CPU tensors outside the Triton interpreter (TRITON_INTERPRET=1)"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"device {x.device.type}"
+    return None
+
+
+def triton_supported(x: Tensor, experts: GroupedExperts) -> bool:
+    """Whether :func:`triton_moe` can run these experts on x (else fall back to another path):
+    triton importable, bias-free unquantized experts, fp32/bf16 compute, a CUDA tensor (or a CPU
+    tensor with the kernels under the interpreter)."""
+    return triton_available() and _unsupported(x, experts) is None
+
+
+class _TritonMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, plan,
+                valid: Tensor) -> Tensor:
+        k = _kernels()
+        h1, h3, _ = k.up_forward(x, w1, w3, plan, store_pre=True)
+        out = k.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
+        ctx.save_for_backward(x, weights, w1, w2, w3, h1, h3)
+        ctx.plan, ctx.valid = plan, valid
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        k = _kernels()
+        x, weights, w1, w2, w3, h1, h3 = ctx.saved_tensors
+        plan = ctx.plan
+        need_x, need_w, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:5]
+        need_dh = need_x or need_w1 or need_w3
+        dout = dout.to(h1.dtype)
+        dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
+        if need_w2:
+            gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
+        if need_dh or need_w:
+            dh1, dh3, dw = k.act_backward(dout, w2, weights, h1, h3, plan, need_dh, need_w)
+        if need_w1 or need_w3:
+            gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
+        if need_x:
+            gx = k.dx_backward(dh1, dh3, w1, w3, ctx.valid, plan)
+        dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
+        return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None, None, None
+
+
+def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """Dropless grouped MoE with Triton kernels. x: [S, D] (any strides) -> [S, D] =
+    sum over valid slots k of w[s,k] * Expert_{e[s,k]}(x[s]). No host synchronisation.
+
+    Raises ConfigError (a one-line ValueError) without triton or for what :func:`triton_supported` rejects.
+    """
+    if not triton_available():
+        raise ConfigError("model.moe.impl", "triton", "an installed triton package (pip install 'mhmoe[triton]')")
+    why = _unsupported(x, experts)
+    if why is not None:
+        raise ConfigError("model.moe.impl", "triton", f"grouped_mm | sorted for {why}")
+    dt = _compute_dtype(x)
+    S, K = route.experts.shape
+    if x.numel() == 0 or S == 0:
+        return x.new_zeros(x.shape, dtype=dt)
+    k = _kernels()
+    plan = k.route_plan(route.experts, route.valid, experts.n_experts)
+    x = x.to(dt)
+    w1, w2, w3 = (None if w is None else w.to(dt) for w in (experts.w1, experts.w2, experts.w3))
+    if w3 is not None and w3.stride() != w1.stride():
+        w3 = w3.contiguous()
+        w1 = w1.contiguous()
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, route.weights, w1, w2, w3))
+    if grads:
+        return _TritonMoE.apply(x, route.weights, w1, w2, w3, plan, route.valid)
+    _, _, act = k.up_forward(x, w1, w3, plan, store_pre=False)
+    return k.down_forward(act, None, w2, route.weights, route.valid, plan, "none")
