@@ -99,8 +99,8 @@ def _ep_worker(rank: int, world: int, names: list[str]) -> None:
         torch.testing.assert_close(xe.grad, xr.grad[sl], atol=1e-5, rtol=1e-4, msg=f"{name}: input grad")
         assert torch.equal(res.stats.counts, out.stats.counts), name
         assert res.stats.tokens == out.stats.tokens and res.stats.dropped == out.stats.dropped
-        for k, v in out.stats.losses.items():
-            assert float(res.stats.losses[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-7), (name, k)
+        for k, v in out.stats.losses.items():  # abs: a few fp32 ulps of log E (batch entropy = log E - H)
+            assert float(res.stats.losses[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-6), (name, k)
         ref_params = dict(ref.named_parameters())
         E_l = layers[0].experts.n_experts
         n_expert = 0

@@ -67,6 +67,7 @@ def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
     res = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
     assert len(calls) == 8 and len(res) == 8
     assert {c[1] for c in calls} == {1337, 1338}  # seeds offset the preset's seed
+    assert [c[1] for c in calls] == [1337] * 4 + [1338] * 4  # seed-major: whole seeds first
     again = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
     assert len(calls) == 8 and [r["eval"] for r in again] == [r["eval"] for r in res]
     md = (tmp_path / "results.md").read_text()
@@ -111,3 +112,57 @@ def test_report_only_trains_nothing_and_reports_finished_runs(tmp_path, monkeypa
     assert calls == [] and [r["label"] for r in res] == [first.label]
     md = (tmp_path / "results.md").read_text()
     assert first.label in md and md.count("\n| ") == 2  # header + the one finished row
+
+
+def _fake_trainer(calls):
+    def fake_train(run, run_dir, resume=False, progress=True):
+        calls.append((run.name, run.train.seed, run.model.moe.renormalize))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(run.to_yaml())
+        ppl = 100.0 + run.train.seed - 1337 + (5.0 if run.model.moe.renormalize is False else 0.0)
+        (run_dir / "results.json").write_text(json.dumps({
+            "preset": run.name, "step": 200, "params": 7_480_000, "fwd_flops_per_token": 6_690_000.0,
+            "tokens_per_s": 4000.0, "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": ppl, "loss": 4.6}}}))
+    return fake_train
+
+
+def test_summary_json_holds_the_printed_numbers_and_the_papers(tmp_path, monkeypatch):
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer([]))
+    reproduce.run_suite("v2-table4", tmp_path, seeds=3, progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["suite"] == "v2-table4" and summary["seeds"] == 3 and summary["validation_sets"] == ["kjv"]
+    row = summary["rows"][-1]
+    assert row["label"] == "MH-MoE (head=2)" and row["train_seeds"] == [1337, 1338, 1339]
+    assert row["ppl"]["kjv"] == {"mean": 101.0, "std": 1.0, "per_seed": [100.0, 101.0, 102.0]}
+    assert row["paper"] == {"RedPajama": 11.46, "Wiki": 9.98, "C4": 14.89}
+    assert row["params_M"] == 7.48 and row["fwd_flops_per_token_M"] == 6.69
+    md = (tmp_path / "results.md").read_text()
+    assert "101.00 ± 1.00" in md and "11.46" in md
+    assert "Table 4 prints 11.46" in md and "11.60" in md  # the paper's inconsistency is stated
+    assert summary["notes"] and "11.60" in summary["notes"][0]
+
+
+def test_renorm_ablation_reuses_the_v2_table1_runs(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    reproduce.run_suite("v2-table1", tmp_path, seeds=2, progress=False)
+    assert len(calls) == 10 and all(c[2] is None for c in calls)
+    calls.clear()
+    res = reproduce.run_suite("renorm-ablation", tmp_path, seeds=2, progress=False)
+    assert len(calls) == 6 and all(c[2] is False for c in calls)  # only the raw-weight rows are new
+    assert len(res) == 14
+    rows = {r["label"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows["MH-MoE (head=3), raw top-k weights"]["ppl"]["kjv"]["mean"] == 105.5
+    assert rows["MH-MoE (head=3)"]["ppl"]["kjv"]["mean"] == 100.5
+
+
+def test_rows_selects_a_subset_of_the_table(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    res = reproduce.run_suite("icml-table1", tmp_path, only=["X-MoE (8 experts)", "MH-MoE (8 experts)"], progress=False)
+    assert [r["label"] for r in res] == ["X-MoE (8 experts)", "MH-MoE (8 experts)"] and len(calls) == 2
+    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (8 experts)",
+                 "--report-only"]) == 0
+    assert "MH-MoE (8 experts)" not in (tmp_path / "results.md").read_text()
+    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (9 experts)"]) == 2
+    assert "--rows" in capsys.readouterr().err

@@ -13,7 +13,12 @@ from mhmoe.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    """Transformer hyper-parameters; ``moe`` describes the FFN of every ``moe_every``-th block."""
+    """Transformer hyper-parameters; ``moe`` describes the FFN of every ``moe_every``-th block.
+
+    The model is a causal decoder, so routing settings that let a token's output depend on later
+    tokens (expert-choice routing, GShard capacity priority; :meth:`MoEConfig.noncausal_fields`) are
+    refused with a one-line ``ConfigError`` naming the ``model.moe`` field.
+    """
 
     vocab_size: int = 8192  # overwritten from the tokenizer at training time when 0
     d_model: int = 768
@@ -51,6 +56,8 @@ class ModelConfig:
         if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
             self.moe = replace(self.moe, quant=self.quant)
         self.moe.check_d_model(self.d_model, "d_model")
+        for name, value, allowed in self.moe.noncausal_fields():
+            raise ConfigError(f"model.moe.{name}", value, allowed)
 
     def is_moe_block(self, i: int) -> bool:
         return self.moe.kind != "dense" and (i + 1) % self.moe_every == 0

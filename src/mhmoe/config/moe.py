@@ -21,6 +21,8 @@ XMOE_GATES = ("softmax", "sigmoid")
 RESIDUALS = ("block", "subtoken")
 KINDS = ("dense", "moe")
 IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop")
+CAPACITY_PRIORITIES = ("causal", "gshard")
+BIAS_INITS = ("torch", "zero")
 ENTROPY_MODES = ("token", "batch")
 QUANTS = ("none", "bitnet158")
 
@@ -43,7 +45,10 @@ class MoEConfig:
     d_shared: int = 0  # 0 -> d_expert
     # ---- router -------------------------------------------------------------------------------
     router: str = "softmax"  # softmax | xmoe | noisy | sigmoid | expert_choice
-    renormalize: bool = False  # renormalise the top-k weights to sum to one
+    # combine weights of a token's top-k slots: None (auto) renormalises them to sum to one when
+    # top_k > 1 (GShard / X-MoE top-2 gating; DeepSeek-V3 for the sigmoid gate) and keeps the raw
+    # gate value for top-1 (Switch); true / false force one reading (false: raw gate values)
+    renormalize: bool | None = None
     router_dim: int = 16  # X-MoE low-dimensional routing space
     xmoe_gate: str = "softmax"  # X-MoE gate: softmax (tau0=0.3) | sigmoid (tau0=0.07)
     router_temperature: float = 0.0  # 0 -> 0.3 for softmax gating, 0.07 for sigmoid gating
@@ -53,6 +58,11 @@ class MoEConfig:
     # ---- capacity (None = dropless) -------------------------------------------------------------
     capacity_factor: float | None = None  # training
     eval_capacity_factor: float | None = None  # evaluation (model.eval())
+    # which overflow slots are dropped first: causal = position-major (every slot at position t goes
+    # before any slot at t+1), so no token's output depends on later tokens (required in the decoder
+    # LM); gshard = every token's first choice before any second choice, then token order (reads the
+    # future within a sequence: for bidirectional encoders and standalone layers only)
+    capacity_priority: str = "causal"
     # ---- auxiliary losses ----------------------------------------------------------------------
     balance_loss_weight: float = 1e-2  # Switch / ICML Eq.10 (alpha)
     z_loss_weight: float = 0.0  # ST-MoE router z-loss
@@ -66,6 +76,9 @@ class MoEConfig:
     token_split: bool = True  # token splitting-merging (ICML Table 6); off -> route whole tokens
     residual: str = "block"  # block (official code) | subtoken (ICML Eq.6)
     proj_bias: bool = True  # biases of the head/merge projections (official code: nn.Linear)
+    # head-projection bias init: torch = nn.Linear's default U(-1/sqrt(d), 1/sqrt(d)) (the official
+    # code, ICML App. E, only zeroes the merge bias) | zero. The merge bias always starts at zero.
+    head_bias_init: str = "torch"
     # ---- execution -------------------------------------------------------------------------------
     impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | triton | loop (loop = the oracle)
     init_std: float = 0.02
@@ -86,6 +99,9 @@ class MoEConfig:
         check(self.n_shared >= 0, "n_shared", self.n_shared, "an integer >= 0")
         check(self.d_shared >= 0, "d_shared", self.d_shared, "an integer >= 0 (0 = d_expert)")
         check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
+        check(self.renormalize is None or isinstance(self.renormalize, bool), "renormalize", self.renormalize,
+              "null (auto: true when top_k > 1) | true | false")
+        check(self.head_bias_init in BIAS_INITS, "head_bias_init", self.head_bias_init, " | ".join(BIAS_INITS))
         check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
         if self.kind == "dense":
             return
@@ -109,6 +125,8 @@ class MoEConfig:
         check(0 <= self.mlp_layers <= 3, "mlp_layers", self.mlp_layers, "0..3")
         check(self.residual in RESIDUALS, "residual", self.residual, " | ".join(RESIDUALS))
         check(self.impl in IMPLS, "impl", self.impl, " | ".join(IMPLS))
+        check(self.capacity_priority in CAPACITY_PRIORITIES, "capacity_priority", self.capacity_priority,
+              " | ".join(CAPACITY_PRIORITIES))
         if self.router == "expert_choice":
             check(not self.aux_free_bias, "aux_free_bias", True, "False with router=expert_choice")
 
@@ -116,6 +134,25 @@ class MoEConfig:
     @property
     def shared_width(self) -> int:
         return self.d_shared or self.d_expert
+
+    @property
+    def renormalize_weights(self) -> bool:
+        """Whether the top-k combine weights are renormalised (``renormalize``; auto: ``top_k > 1``)."""
+        return self.top_k > 1 if self.renormalize is None else self.renormalize
+
+    def noncausal_fields(self) -> list[tuple[str, object, str]]:
+        """(field, value, allowed) for every setting that lets a token's output depend on later tokens
+        of its sequence; a causal decoder refuses them (:class:`~mhmoe.config.model.ModelConfig`)."""
+        if self.kind == "dense":
+            return []
+        bad: list[tuple[str, object, str]] = []
+        if self.router == "expert_choice":  # experts pick tokens over the whole batch
+            routers = " | ".join(r for r in ROUTERS if r != "expert_choice")
+            bad.append(("router", self.router, f"{routers} (expert choice reads later tokens)"))
+        has_capacity = self.capacity_factor is not None or self.eval_capacity_factor is not None
+        if has_capacity and self.capacity_priority != "causal":
+            bad.append(("capacity_priority", self.capacity_priority, "causal (gshard priority reads later tokens)"))
+        return bad
 
     @property
     def temperature_init(self) -> float:

@@ -10,11 +10,15 @@ scaled down for a 2-core CPU, d=192, 4 layers):
 - ``mh2`` / ``mh3``: MH-MoE h=2 (top-2) / h=3 (top-3), width and count from the planner.
 - ``*-shared``: the MoE models plus one shared expert of width d_ff.
 - ``icml-xmoe-E`` / ``icml-mh4-E`` (E = 8, 32): the ICML paper's setting -- X-MoE router, ReLU
-  experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d).
+  experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d). The
+  X-MoE routing space is 16-dim, MH-MoE's 16/h (ICML Table 9; :func:`icml_router_dim`).
 - ``*-bitnet`` (dense, smoe, fgmoe, mh2, mh3): the same models trained with BitNet b1.58
   quantization (``model.quant=bitnet158``, v2 paper Table 3) and the BitNet schedule defaults:
   peak lr 2x the full-precision one, lr halved at the halfway point (``lr_stage2_ratio=0.5``),
   weight decay 0.1 -> 0 at the halfway point, no head/merge biases (see docs/BITNET.md).
+
+Top-k combine weights are renormalised for top_k > 1 (``MoEConfig.renormalize`` auto, as GShard /
+X-MoE); ``--set model.moe.renormalize=false`` gives the raw gate values.
 """
 
 from __future__ import annotations
@@ -77,9 +81,15 @@ def moe_config(scale: str, variant: str, shared: bool = False) -> MoEConfig:
                      head_layer=heads > 1, merge_layer=heads > 1, **extra)
 
 
+def icml_router_dim(heads: int, token_split: bool = True) -> int:
+    """X-MoE routing dimension of the ICML setting (Table 9): 16 for X-MoE, 16/h for MH-MoE, rounded to
+    the nearest integer >= 1 (h=6 -> 3, h=12 -> 1). Without token splitting whole tokens are routed: 16."""
+    return max(1, round(16 / heads)) if token_split else 16
+
+
 def icml_moe_config(scale: str, heads: int, experts: int) -> MoEConfig:
     d = SCALES[scale]["d_model"]
-    common = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts)
+    common = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts, router_dim=icml_router_dim(heads))
     if heads == 1:
         return MoEConfig(d_expert=4 * d, **common)
     p = plan(d, 4 * d, experts, 2, "relu", heads=heads, parity="params")

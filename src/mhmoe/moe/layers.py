@@ -75,6 +75,12 @@ class FFNOutput:
     route: RouterOutput | None = None
 
 
+def seq_shape_of(lead: tuple[int, ...]) -> tuple[int, int]:
+    """(B, T) of tokens with leading dims ``lead``: ``[N]`` is one sequence of N positions;
+    ``[B, T, ...]`` has the batch in dim 0 and time in dim 1 (later dims share a position)."""
+    return (1, lead[0]) if len(lead) == 1 else (lead[0], lead[1])
+
+
 def _check_input(x: Tensor, width: int, mask: Tensor | None, name: str) -> None:
     if x.dim() < 2 or x.shape[-1] != width:
         raise ValueError(f"invalid {name} input shape {tuple(x.shape)}: allowed [..., {width}] with rank >= 2")
@@ -119,7 +125,9 @@ class MoELayer(nn.Module):
             return None
         return expert_capacity(n_tokens, self.cfg.top_k, self.cfg.n_experts, cf)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> FFNOutput:
+    def forward(self, x: Tensor, mask: Tensor | None = None, seq_shape: tuple[int, int] | None = None) -> FFNOutput:
+        """x [..., d_in], mask [...] | None. ``seq_shape`` (B, T) says how x's tokens lie in sequences for
+        the causal capacity priority (default :func:`seq_shape_of` ``x.shape[:-1]``)."""
         _check_input(x, self.d_in, mask, "MoE")
         shape = x.shape
         xs = x.reshape(-1, self.d_in)
@@ -128,8 +136,12 @@ class MoELayer(nn.Module):
         chosen = route.valid
         cap = self.capacity(route.token_mask.sum())
         if cap is not None:
-            route.valid = apply_capacity(route.experts, route.valid, cap, self.cfg.n_experts)
+            causal = self.cfg.capacity_priority == "causal"
+            seq = (seq_shape or seq_shape_of(shape[:-1])) if causal else None
+            route.valid = apply_capacity(route.experts, route.valid, cap, self.cfg.n_experts, seq)
             route.weights = route.weights * route.valid
+            if self.router.renormalize:  # GShard / X-MoE: normalise over the slots kept after the drops
+                route.weights = route.weights / route.weights.sum(-1, keepdim=True).clamp_min(1e-9)
         out = self.dispatch(xs, route)
         if self.shared is not None:
             sh = self.shared(xs)
@@ -161,8 +173,9 @@ class MoELayer(nn.Module):
 
 
 def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float, quant: str = QUANT_NONE,
-                    norm_in: bool = False, norm_out: bool = False) -> nn.Module:
-    """n Linear(d, d) layers with ReLU between (ICML Table 7); n=0 is the identity.
+                    norm_in: bool = False, norm_out: bool = False, zero_bias: bool = True) -> nn.Module:
+    """n Linear(d, d) layers with ReLU between (ICML Table 7); n=0 is the identity. Weights Xavier-uniform
+    with ``gain``; biases zero when ``zero_bias``, else nn.Linear's default U(-1/sqrt(d), 1/sqrt(d)).
 
     Quantized (bitnet158): BitLinear layers, and an RMSNorm (eps 1e-5) in front of every BitLinear
     whose input is not already normalised -- the first layer when ``norm_in`` (the merge
@@ -178,7 +191,7 @@ def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float, quant: str =
             layers.append(SubNorm(d))
         lin = BitLinear(d, d, bias=bias) if quantized else nn.Linear(d, d, bias=bias)
         nn.init.xavier_uniform_(lin.weight, gain=gain)
-        if bias:
+        if bias and zero_bias:
             nn.init.zeros_(lin.bias)
         layers.append(lin)
     if quantized and norm_out and layers:
@@ -201,11 +214,12 @@ class MHMoELayer(nn.Module):
         self.heads = cfg.heads if cfg.token_split else 1
         self.d_sub = d_model // self.heads
         n = cfg.mlp_layers
-        # W_head: Xavier-uniform gain 1/sqrt(2); W_merge: Xavier-uniform, bias 0 (ICML App. E).
+        # W_head: Xavier-uniform gain 1/sqrt(2), nn.Linear's default bias (head_bias_init="torch");
+        # W_merge: Xavier-uniform, bias 0 (ICML App. E).
         # bitnet158: BitLinear projections; sub-norms where a BitLinear or the experts would read
         # an un-normalised input (after W_head, before W_merge, between MLP layers; docs/BITNET.md)
         self.head = _projection_mlp(d_model, n if cfg.head_layer else 0, cfg.proj_bias, 2 ** -0.5, cfg.quant,
-                                    norm_out=True)
+                                    norm_out=True, zero_bias=cfg.head_bias_init == "zero")
         self.merge = _projection_mlp(d_model, n if cfg.merge_layer else 0, cfg.proj_bias, 1.0, cfg.quant,
                                      norm_in=True)
         self.moe = MoELayer(self.d_sub, cfg, shared=False)
@@ -218,7 +232,7 @@ class MHMoELayer(nn.Module):
         x_hat = self.head(x)
         sub = x_hat.reshape(-1, self.d_sub)  # [S, D/H], token-major (ICML Eq.4 / App. E)
         sub_mask = None if mask is None else mask.reshape(-1, 1).expand(-1, self.heads).reshape(-1)
-        res = self.moe(sub, sub_mask)
+        res = self.moe(sub, sub_mask, seq_shape_of(tuple(lead)))
         o = res.out + sub if self.cfg.residual == "subtoken" else res.out
         y = self.merge(o.reshape(*lead, self.d_model))
         if self.shared is not None:

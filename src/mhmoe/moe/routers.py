@@ -62,7 +62,7 @@ class Router(nn.Module):
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.d_in, self.n_experts, self.top_k = d_in, cfg.n_experts, cfg.top_k
-        self.renormalize = cfg.renormalize
+        self.renormalize = cfg.renormalize_weights  # top-k weights sum to one (auto: top_k > 1)
         self.bias_update_rate = cfg.bias_update_rate
         self.aux_free = cfg.aux_free_bias
         # DeepSeek-V3 selection bias: a buffer (not trained by the optimizer), updated from counts.
@@ -115,7 +115,10 @@ class SoftmaxRouter(Router):
 
 
 class SigmoidRouter(SoftmaxRouter):
-    """Sigmoid gating (DeepSeek-V3 style): independent per-expert affinities, top-k of them."""
+    """Sigmoid gating (DeepSeek-V3 style): independent per-expert affinities, top-k of them. With
+    ``renormalize`` (the default for top_k > 1, as DeepSeek-V3) the selected affinities are divided by
+    their sum; ``renormalize=false`` keeps the raw sigmoids (their sum is not one). ``probs`` (for the
+    balance loss) are the affinities normalised over all experts."""
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = x @ self.weight.float().t()
@@ -125,13 +128,14 @@ class SigmoidRouter(SoftmaxRouter):
 
 class NoisyTopKRouter(Router):
     """Shazeer et al. (2017): H = xW_g + N(0,1)*softplus(xW_noise) in training; top-k of H;
-    the weights are a softmax over the kept logits (== renormalised top-k)."""
+    the weights are a softmax over the kept logits (== renormalised top-k, whatever ``renormalize``)."""
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__(d_in, cfg)
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, d_in))
         self.noise_weight = nn.Parameter(torch.zeros(cfg.n_experts, d_in))
         self.noise_std = cfg.noise_std
+        self.renormalize = True  # softmax over the kept logits
         nn.init.normal_(self.weight, std=cfg.init_std)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,12 +145,6 @@ class NoisyTopKRouter(Router):
             logits = logits + self.noise_std * torch.randn_like(logits) * noise_scale
         probs = logits.softmax(-1)
         return logits, probs, probs
-
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
-        out = super().forward(x, token_mask)
-        # softmax over the kept logits: renormalised top-k probabilities
-        out.weights = out.weights / out.weights.sum(-1, keepdim=True).clamp_min(1e-9) * out.valid
-        return out
 
 
 class XMoERouter(Router):
@@ -175,8 +173,10 @@ class XMoERouter(Router):
 
 class ExpertChoiceRouter(SoftmaxRouter):
     """Expert choice (Zhou et al. 2022): every expert picks its top-C tokens by softmax score,
-    C = ceil(capacity_factor * S * K / E) (capacity_factor defaults to 1). Tokens may get 0..E experts.
-    Output uses K = E slots per token (slot e = expert e)."""
+    C = ceil(capacity_factor * S * K / E) (capacity_factor defaults to 1). Tokens may get 0..E experts;
+    the weights are the softmax probabilities (never renormalised). Output uses K = E slots per token
+    (slot e = expert e). A token's experts depend on every other token of the batch, later ones
+    included, so the causal decoder LM refuses this router (bidirectional models may use it)."""
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__(d_in, cfg)

@@ -15,12 +15,20 @@ Definitions (pure functions, tested on hand-made routing decisions):
   averaged over layers.
 - **router entropy** = mean over routed (sub-)tokens of the gate distribution's entropy (nats);
   **load imbalance** = max / mean expert load.
+
+Every number needs its chance level beside it. Under uniformly random routing (each sub-token picks
+K distinct experts uniformly) an expert's expected frequency is **H*K/E** selections per token, so a
+model with more slots per token clears a fixed activation threshold more easily by construction, and
+a token's expected assign diversity is **E * (1 - (1 - K/E)^H)** (3.90 for H=K=2, E=41; 8.71 for
+H=K=3, E=93). :func:`summarize` reports both, and the same statistics measured on simulated random
+routing of as many tokens (``random_routing``).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +69,42 @@ def load_imbalance(counts: Tensor) -> float:
     return float(c.max() / c.mean()) if c.numel() and float(c.mean()) > 0 else 1.0
 
 
+def uniform_frequency(n_experts: int, heads: int, top_k: int) -> float:
+    """Expected selections per token of every expert under uniform routing: H*K/E."""
+    return heads * top_k / n_experts
+
+
+def expected_random_diversity(n_experts: int, heads: int, top_k: int) -> float:
+    """Expected distinct experts per token when each of its H sub-tokens picks K distinct experts
+    uniformly at random: an expert is missed by one sub-token with probability 1 - K/E."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** heads)
+
+
+def random_routing(n_tokens: int, heads: int, top_k: int, n_experts: int, generator: torch.Generator) -> Tensor:
+    """[T, H*K] expert ids of uniformly random routing: every sub-token picks K distinct experts."""
+    scores = torch.rand(n_tokens * heads, n_experts, generator=generator)
+    return scores.topk(top_k, dim=-1).indices.reshape(n_tokens, heads * top_k)
+
+
+def random_baseline(records: list[RoutingRecord], threshold: float, seed: int = 0) -> dict:
+    """The statistics of :func:`summarize` for uniformly random routing of the same layers and tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    freq, div, imbalance = [], [], []
+    for r in records:
+        e = random_routing(r.tokens, r.heads, r.top_k, r.n_experts, gen)
+        valid = torch.ones_like(e, dtype=torch.bool)
+        freq.append(activation_frequency(e, valid, r.n_experts, r.tokens))
+        div.append(assign_diversity(e, valid).double())
+        imbalance.append(load_imbalance(freq[-1]))
+    return {
+        "activation_ratio": activation_ratio(torch.stack(freq), threshold) if freq else 0.0,
+        "mean_assign_diversity": float(torch.stack(div).mean()) if div else 0.0,
+        "expected_assign_diversity_per_layer": [expected_random_diversity(r.n_experts, r.heads, r.top_k)
+                                                for r in records],
+        "load_imbalance_per_layer": imbalance,
+    }
+
+
 @dataclass
 class RoutingRecord:
     """Accumulated routing of one MoE layer over the analysed tokens."""
@@ -68,10 +112,16 @@ class RoutingRecord:
     n_experts: int
     slots_per_token: int  # H * K
     counts: Tensor
+    top_k: int = 1  # K slots per routed (sub-)token
     tokens: int = 0
     entropy_sum: float = 0.0
     entropy_n: int = 0
     diversity: list[Tensor] = field(default_factory=list)  # [T] per batch
+
+    @property
+    def heads(self) -> int:
+        """H routed sub-tokens per token."""
+        return self.slots_per_token // self.top_k
 
 
 @torch.no_grad()
@@ -89,7 +139,7 @@ def collect_routing(model, batches, device: torch.device | str = "cpu") -> tuple
             n_tok = x.numel()
             if len(records) <= i:
                 records.append(RoutingRecord(r.probs.shape[1], r.experts.numel() // n_tok,
-                                             torch.zeros(r.probs.shape[1], dtype=torch.float64)))
+                                             torch.zeros(r.probs.shape[1], dtype=torch.float64), r.top_k))
             rec = records[i]
             rec.counts += torch.bincount(r.experts[r.valid].cpu(), minlength=rec.n_experts).double()
             rec.tokens += n_tok
@@ -102,16 +152,24 @@ def collect_routing(model, batches, device: torch.device | str = "cpu") -> tuple
 
 
 def summarize(records: list[RoutingRecord], threshold: float) -> dict:
+    """Per-model routing statistics with their chance levels: ``uniform_frequency_per_layer`` (H*K/E)
+    and ``random_routing`` (the same statistics for uniformly random routing of the same tokens)."""
     freq = torch.stack([r.counts / max(1, r.tokens) for r in records]) if records else torch.zeros(0, 0)
     div = torch.stack([torch.cat(r.diversity).double() for r in records]).mean(0) if records else torch.zeros(0)
     return {
         "threshold": threshold,
         "activation_ratio": activation_ratio(freq, threshold) if freq.numel() else 0.0,
         "activation_ratio_per_layer": [activation_ratio(f, threshold) for f in freq],
+        "uniform_frequency_per_layer": [uniform_frequency(r.n_experts, r.heads, r.top_k) for r in records],
+        "min_frequency_per_layer": [float(f.min()) for f in freq],
         "router_entropy_per_layer": [r.entropy_sum / max(1, r.entropy_n) for r in records],
         "load_imbalance_per_layer": [load_imbalance(r.counts) for r in records],
         "mean_assign_diversity": float(div.mean()) if div.numel() else 0.0,
         "max_possible_diversity": max((min(r.n_experts, r.slots_per_token) for r in records), default=0),
+        "n_experts": records[0].n_experts if records else 0,
+        "heads": records[0].heads if records else 0,
+        "top_k": records[0].top_k if records else 0,
+        "random_routing": random_baseline(records, threshold),
         "frequency": freq,
         "diversity": div,
     }
@@ -188,3 +246,65 @@ def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, b
     summary["checkpoint"] = str(ck.path)
     return write_report(summary, ids, ck.tokenizer.decode, out_dir)
 
+
+
+# ---- a whole suite (``mhmoe analyze --suite DIR``) --------------------------------------------------------
+SUITE_STATS = {  # name -> (how to read it from one checkpoint's summary, decimals)
+    "activation_ratio": (lambda s: s["activation_ratio"], 3),
+    "random_activation_ratio": (lambda s: s["random_routing"]["activation_ratio"], 3),
+    "uniform_frequency": (lambda s: float(np.mean(s["uniform_frequency_per_layer"])), 3),
+    "min_frequency": (lambda s: min(s["min_frequency_per_layer"]), 3),
+    "assign_diversity": (lambda s: s["mean_assign_diversity"], 2),
+    "random_assign_diversity": (lambda s: s["random_routing"]["mean_assign_diversity"], 2),
+    "expected_random_diversity": (lambda s: float(np.mean(s["random_routing"]["expected_assign_diversity_per_layer"])),
+                                  2),
+    "router_entropy": (lambda s: float(np.mean(s["router_entropy_per_layer"])), 2),
+    "load_imbalance": (lambda s: float(np.mean(s["load_imbalance_per_layer"])), 2),
+    "random_load_imbalance": (lambda s: float(np.mean(s["random_routing"]["load_imbalance_per_layer"])), 2),
+}
+
+
+def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
+    """(label, run dir) of every finished run of a ``mhmoe reproduce`` folder, in its table's order."""
+    from mhmoe.research.reproduce import run_dir_name
+
+    summary = suite_dir / "summary.json"
+    labels = [r["label"] for r in json.loads(summary.read_text())["rows"]] if summary.exists() else []
+    by_dir = {run_dir_name(label): label for label in labels}
+    runs = [(by_dir.get(d.parent.name, d.parent.name), d) for d in suite_dir.glob("*/seed*")
+            if (d / "results.json").exists()]
+    order = {label: i for i, label in enumerate(labels)}
+    return sorted(runs, key=lambda r: (order.get(r[0], len(order)), r[0], r[1].name))
+
+
+def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.01, device: str = "cpu") -> dict:
+    """Analyse every finished MoE run of a suite folder (each into ``RUN/analysis``) and write
+    ``SUITE/analysis.json``: per model, the mean and std over seeds of every :data:`SUITE_STATS` entry,
+    rounded as printed, beside its random-routing baseline."""
+    from mhmoe.config.run import RunConfig
+
+    root = Path(suite_dir)
+    per_label: dict[str, list[dict]] = {}
+    for label, run_dir in _suite_runs(root):
+        if RunConfig.load(run_dir / "config.yaml").model.moe.kind == "dense":
+            continue
+        per_label.setdefault(label, []).append(analyze_checkpoint(str(run_dir), str(run_dir / "analysis"), None,
+                                                                  batches, threshold, device))
+    if not per_label:
+        raise ValueError(f"{root}: no finished MoE runs to analyse (expected {root}/<model>/seed<k>/results.json)")
+    rows = []
+    for label, summaries in per_label.items():
+        first = summaries[0]
+        row: dict = {"label": label, "seeds": len(summaries), "tokens_analysed": first["tokens_analysed"],
+                     "moe_layers": len(first["load_imbalance_per_layer"]), "n_experts": first["n_experts"],
+                     "heads": first["heads"], "top_k": first["top_k"],
+                     "log_n_experts": round(math.log(first["n_experts"]), 2),
+                     "max_possible_diversity": first["max_possible_diversity"]}
+        for name, (read, digits) in SUITE_STATS.items():
+            v = [float(read(s)) for s in summaries]
+            row[name] = {"mean": round(float(np.mean(v)), digits),
+                         "std": round(float(np.std(v, ddof=1)), digits) if len(v) > 1 else 0.0}
+        rows.append(row)
+    out = {"suite_dir": str(root), "threshold": threshold, "batches": batches, "rows": rows}
+    (root / "analysis.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return out

@@ -3,10 +3,13 @@ print our table beside the paper's -- honestly, whatever the result.
 
 A suite is a list of rows (label + run config); every run lives in ``OUT/<label>/seed<k>/`` and a
 run whose ``results.json`` exists is reused, so an interrupted suite costs nothing extra when the
-command is repeated. Outputs (the suite directory layout of :mod:`mhmoe.research.report`):
-``results.csv`` (one line per run), ``results.md`` (mean ± std over seeds beside the paper's numbers),
-``results.json`` and ``curves.png`` (training loss and validation perplexity over steps, one line per
-model, averaged over seeds).
+command is repeated; suites that share row labels can share an ``--out`` folder and reuse each other's
+runs (``renorm-ablation`` reuses the default-weight rows of ``v2-table1``). Outputs (the suite directory
+layout of :mod:`mhmoe.research.report`): ``results.csv`` (one line per run), ``results.md`` (mean ± std
+over seeds beside the paper's numbers), ``results.json`` (every run's results), ``summary.json`` (the
+table as data: per row and validation set the mean, std and per-seed values, rounded as printed, and the
+paper's numbers) and ``curves.png`` (training loss and validation perplexity over steps, one line per
+model, averaged over seeds). The result files describe the last suite run in the folder.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.planner import plan
-from mhmoe.config.presets import SCALES, _run, bitnet_run, icml_moe_config, moe_config
+from mhmoe.config.presets import SCALES, _run, bitnet_run, icml_moe_config, icml_router_dim, moe_config
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.research.report import plot_suite_curves, write_json
@@ -33,6 +36,7 @@ class Row:
     build: Callable[[str], RunConfig]  # scale -> run config
     paper: dict[str, float]  # column -> the paper's number (perplexity)
     parity_group: str | None = None  # rows of one group are at FLOPs/params parity with each other
+    note: str = ""  # printed under the table (e.g. where the paper's tables disagree)
 
 
 def _variant(variant: str, shared: bool = False) -> Callable[[str], RunConfig]:
@@ -69,7 +73,8 @@ def _icml(heads: int, experts: int = 8, hm: bool = True, mlp_layers: int = 1,
         p = plan(d, 4 * d, experts, 2, "relu", heads=h_plan, parity="params", head_layer=hm, merge_layer=hm,
                  mlp_layers=mlp_layers)
         moe = replace(base, d_expert=int(p.mhmoe.d_ff), heads=heads, head_layer=hm, merge_layer=hm,
-                      mlp_layers=mlp_layers, token_split=token_split)
+                      mlp_layers=mlp_layers, token_split=token_split,
+                      router_dim=icml_router_dim(heads, token_split))
         return _run(f"{scale}-icml-h{heads}-{experts}", scale, moe)
     return build
 
@@ -114,7 +119,9 @@ SUITES: dict[str, list[Row]] = {
             _v2(11.67, 10.18, 15.19)),
         Row("MH-MoE (head=2) w/o head & merge", _mh_no_head_merge, dict(zip(V2_COLS, (11.71, 10.16, 15.23),
                                                                              strict=True))),
-        Row("MH-MoE (head=2)", _variant("mh2"), _v2(11.46, 9.98, 14.89)),
+        Row("MH-MoE (head=2)", _variant("mh2"), _v2(11.46, 9.98, 14.89),
+            note="MH-MoE (head=2): v2 Table 4 prints 11.46 / 9.98 / 14.89; its Tables 1 (50k steps) and 5 give "
+                 "11.60 / 10.11 / 15.11 for the same model. We show Table 4's numbers."),
     ],
     "v2-table5": [
         Row(f"head {'✓' if h else '✗'} merge {'✓' if m else '✗'}", _with("mh2", head_layer=h, merge_layer=m),
@@ -136,6 +143,15 @@ SUITES: dict[str, list[Row]] = {
     ],
     "icml-table7": [Row(f"MH-MoE n={n}", _icml(4, hm=n > 0, mlp_layers=max(n, 1)), {"Perplexity": p}, "icml")
                     for n, p in ((0, 13.97), (1, 12.72), (2, 12.66), (3, 12.87))],
+    # top-k weight renormalisation (MoEConfig.renormalize): the k > 1 models of v2-table1 with the
+    # default (renormalised, GShard / X-MoE) and the raw gate values. Rows with v2-table1's labels are
+    # the same runs: with --out pointing at a finished v2-table1 folder only the raw rows are trained.
+    "renorm-ablation": [Row("SMoE", _variant("smoe"), {}, "v2")] + [
+        row for label, v in (("Fine-grained SMoE", "fgmoe"), ("MH-MoE (head=2)", "mh2"), ("MH-MoE (head=3)", "mh3"))
+        for row in (Row(label, _variant(v), {}, "v2"),
+                    Row(f"{label}, raw top-k weights", _with(v, renormalize=False), {}, "v2"))
+    ],
+    # ICML Table 1, English-focused language modelling block
     "icml-table1": [
         Row("Dense", _variant("dense"), {"Perplexity": 16.23}),
         Row("X-MoE (8 experts)", _icml(1, 8, hm=False), {"Perplexity": 14.82}, "icml-8"),
@@ -153,17 +169,33 @@ def suite_rows(name: str) -> list[Row]:
     return SUITES[name]
 
 
-def _run_dir(out: Path, label: str, seed: int) -> Path:
+def run_dir_name(label: str) -> str:
+    """The folder name of a row's runs (ASCII letters, digits, ``-_.``)."""
     label = label.replace("✓", "on").replace("✗", "off").replace(" ", "_")
-    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label)
-    return out / safe / f"seed{seed}"
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in label)
+
+
+def select_rows(name: str, only: list[str] | None = None) -> list[Row]:
+    """The rows of suite ``name`` whose labels are in ``only`` (all rows when None), in table order."""
+    rows = suite_rows(name)
+    labels = [r.label for r in rows]
+    for label in only or []:
+        if label not in labels:
+            raise ConfigError("--rows", label, " | ".join(labels))
+    return [r for r in rows if only is None or r.label in only]
+
+
+def _run_dir(out: Path, label: str, seed: int) -> Path:
+    return out / run_dir_name(label) / f"seed{seed}"
 
 
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, tokens: int | None = None,
-              overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True) -> list[dict]:
-    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md and curves.png.
+              overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True,
+              only: list[str] | None = None) -> list[dict]:
+    """Train (or reuse) every row x seed of suite ``name``; write results.csv/md, summary.json and curves.png.
 
     ``train_missing=False`` trains nothing and reports the runs that already finished (an error if none).
+    ``only``: the labels of the rows to train and report (default: every row).
     """
     from mhmoe.train.loop import train
 
@@ -173,10 +205,10 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
         raise ConfigError("--seeds", seeds, "an integer >= 1")
     out = Path(out)
     results = []
-    rows = suite_rows(name)
-    for row in rows:
-        base = row.build(scale)
-        for seed in range(seeds):
+    rows = select_rows(name, only)
+    built = [(row, row.build(scale)) for row in rows]
+    for seed in range(seeds):  # seed-major: an interrupted suite has whole seeds of every row
+        for row, base in built:
             steps = max(1, tokens // base.train.tokens_per_step) if tokens else base.train.max_steps
             # 4 validation points per run for the curves (before user overrides, which win)
             sets = [f"train.eval_every={max(1, steps // 4)}", f"train.max_steps={steps}"]
@@ -193,7 +225,8 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
                 resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
                 train(run, run_dir, resume=resume, progress=progress)
             res = json.loads(done.read_text())
-            results.append({"label": row.label, "seed": seed, "run_dir": str(run_dir), **res})
+            results.append({"label": row.label, "seed": seed, "train_seed": run.train.seed, "run_dir": str(run_dir),
+                            **res})
     if not results:
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
     write_outputs(name, rows, results, out)
@@ -254,6 +287,37 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) ->
     n_seeds = len({r["seed"] for r in results})
     lines += ["", f"Seeds: {n_seeds}. Ours: validation perplexity (mean ± std over seeds) on our corpora; "
               "paper: its reported perplexity on its own data and scale -- compare orderings, not values."]
+    lines += [f"Note: {row.note}" for row in rows if row.note]
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     write_json(results, out / "results.json", name, {"paper": {row.label: row.paper for row in rows}})
     plot_suite_curves(results, out / "curves.png", name)
+    summary = summarize_results(name, rows, results, sets)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _r2(v: float) -> float:
+    return round(float(v), 2)
+
+
+def summarize_results(name: str, rows: list[Row], results: list[dict], sets: list[str]) -> dict:
+    """The suite's table as data, every number rounded as results.md prints it: per row its
+    parameters and forward FLOPs per token (millions), and per validation set the mean, std (over seeds;
+    0 with one seed) and per-seed perplexities, beside the paper's numbers."""
+    table = []
+    for row in rows:
+        rs = sorted((r for r in results if r["label"] == row.label), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        ppl = {}
+        for s in sets:
+            v = [r["eval"][s]["ppl"] for r in rs if s in r["eval"]]
+            if v:
+                ppl[s] = {"mean": _r2(statistics.mean(v)), "std": _r2(statistics.stdev(v)) if len(v) > 1 else 0.0,
+                          "per_seed": [_r2(x) for x in v]}
+        table.append({"label": row.label, "train_seeds": [r.get("train_seed", r["seed"]) for r in rs],
+                      "steps": [r.get("step") for r in rs], "params_M": _r2(rs[0]["params"] / 1e6),
+                      "fwd_flops_per_token_M": _r2(rs[0]["fwd_flops_per_token"] / 1e6),
+                      "tokens_per_s": round(statistics.mean(r["tokens_per_s"] for r in rs)),
+                      "ppl": ppl, "paper": dict(row.paper)})
+    return {"suite": name, "seeds": len({r["seed"] for r in results}), "validation_sets": sets,
+            "paper_columns": list(rows[0].paper), "rows": table, "notes": [r.note for r in rows if r.note]}
