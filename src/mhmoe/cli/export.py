@@ -37,6 +37,8 @@ def _run_export(args) -> int:
     if not args.bitnet:
         raise ConfigError("export", "(no format)", "--bitnet | --hf")
     ck = load_latest(args.checkpoint, "cpu")
+    if ck.run.model.arch != "decoder":
+        raise ConfigError("--checkpoint", args.checkpoint, "a decoder run (the packed export is for language models)")
     out = Path(args.out)
     report = export_bitnet(ck.model, out, args.float_dtype)
     (out / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")

@@ -25,11 +25,11 @@ def _add_reproduce(sub) -> None:
 
 
 def _run_reproduce(args: argparse.Namespace) -> int:
-    from mhmoe.research.reproduce import run_suite, suite_rows
+    from mhmoe.research.reproduce import run_table, suite_rows
 
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
-    run_suite(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
+    run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
               progress=not args.no_progress, train_missing=not args.report_only)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
@@ -42,8 +42,19 @@ def _add_analyze(sub) -> None:
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--threshold", type=float, default=0.01, help="activation threshold (selections per token)")
+    p.add_argument("--images", type=int, default=6, help="encoder runs: images in the Fig. 8 picture (fig8.png)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_analyze)
+
+
+def _is_encoder_run(checkpoint: str) -> bool:
+    """A run or checkpoint directory whose config.yaml says model.arch=encoder (masked multi-modal)."""
+    from pathlib import Path
+
+    from mhmoe.config.run import RunConfig
+
+    cfg = Path(checkpoint) / "config.yaml"
+    return cfg.is_file() and RunConfig.load(cfg).model.arch == "encoder"
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
@@ -56,8 +67,17 @@ def _run_analyze(args: argparse.Namespace) -> int:
     if args.batches < 1 or not 0 <= args.threshold:
         raise ConfigError("--batches/--threshold", (args.batches, args.threshold), "--batches >= 1, --threshold >= 0")
     out = args.out or str(Path(args.checkpoint) / "analysis")
-    summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold,
-                                 str(resolve_device("auto")))
+    if _is_encoder_run(args.checkpoint):  # image patches of the validation images, and ICML Fig. 8
+        from mhmoe.research.patch_routing import analyze_encoder_checkpoint
+
+        if args.data or args.images < 1:
+            raise ConfigError("--data/--images", (args.data, args.images), "no --data and --images >= 1 for an "
+                              "encoder run (it is analysed on its validation images)")
+        summary = analyze_encoder_checkpoint(args.checkpoint, out, args.batches, args.threshold,
+                                             str(resolve_device("auto")), args.images)
+    else:
+        summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold,
+                                     str(resolve_device("auto")))
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
     else:
@@ -67,6 +87,8 @@ def _run_analyze(args: argparse.Namespace) -> int:
                                          strict=True)):
             print(f"  MoE layer {i}: router entropy {h:.3f} nats, load imbalance {imb:.2f}")
         print(f"report: {out}/(activation|diversity).(png|csv), summary.json", file=sys.stderr)
+        if "fig8" in summary:
+            print(f"ICML Fig. 8 (patch assign diversity, sub-token experts): {summary['fig8']}", file=sys.stderr)
     return 0
 
 

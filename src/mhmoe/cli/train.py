@@ -86,17 +86,13 @@ def _run_eval(args) -> int:
         from mhmoe.cli.ecosystem import run_eval_tasks
 
         return run_eval_tasks(args)
-    from mhmoe.data import prepare_data
     from mhmoe.runtime.device import resolve_device
     from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.evaluate import evaluate
+    from mhmoe.train.tasks import evaluate_checkpoint
 
     device = resolve_device("auto")
     ck = load_latest(args.checkpoint, device)
-    cfg = ck.run.train
-    data = prepare_data(ck.run.data, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
-    res = evaluate(ck.model, data.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                   max_batches=args.batches or cfg.eval_batches, device=device, dtype=cfg.dtype)
+    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device)  # the run's own task
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "eval": res}, indent=2))
     else:
@@ -129,6 +125,8 @@ def _run_generate(args) -> int:
                           "--max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     device = resolve_device("auto")
     ck = load_latest(args.checkpoint, device)
+    if ck.run.model.arch != "decoder":
+        raise ConfigError("--checkpoint", args.checkpoint, "a decoder (language model) run; this one is an encoder")
     ids = ck.tokenizer.encode(args.prompt)
     if not ids:
         raise ConfigError("--prompt", args.prompt, "a non-empty text")

@@ -10,11 +10,16 @@ from mhmoe.config.fields import check, coerce_fields
 from mhmoe.config.moe import QUANTS, MoEConfig
 from mhmoe.errors import ConfigError
 
+# decoder: the causal LM (mhmoe.model.lm, data.task=lm); encoder: the bidirectional masked-data
+# encoder (mhmoe.model.encoder, data.task=masked_mm)
+ARCHS: tuple[str, ...] = ("decoder", "encoder")
+
 
 @dataclass
 class ModelConfig:
     """Transformer hyper-parameters; ``moe`` describes the FFN of every ``moe_every``-th block."""
 
+    arch: str = "decoder"  # decoder | encoder (ARCHS)
     vocab_size: int = 8192  # overwritten from the tokenizer at training time when 0
     d_model: int = 768
     n_layers: int = 12
@@ -37,6 +42,7 @@ class ModelConfig:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig.from_dict(self.moe)
         check(isinstance(self.moe, MoEConfig), "model.moe", type(self.moe).__name__, "a MoEConfig")
+        check(self.arch in ARCHS, "arch", self.arch, " | ".join(ARCHS))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_every", "max_seq_len"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")

@@ -17,6 +17,7 @@ import torch
 from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import CheckpointError
+from mhmoe.model.encoder import Encoder
 from mhmoe.model.lm import LM
 
 FORMAT_VERSION = 1
@@ -138,6 +139,6 @@ class Checkpoint:
     path: Path
     step: int
     run: RunConfig
-    model: LM
+    model: LM | Encoder  # ModelConfig.arch: decoder | encoder
     tokenizer: Tokenizer
     trainer_state: dict[str, Any]
