@@ -21,7 +21,7 @@ _EXPORTS = {
     "mhmoe.moe": ("DenseFFN", "DenseLayer", "FFNOutput", "GroupedExperts", "MHMoELayer", "MoELayer", "RouterOutput",
                   "RoutingStats", "SharedExperts", "build_ffn_layer", "build_router", "entropy_loss",
                   "load_balancing_loss", "router_z_loss"),
-    "mhmoe.model": ("LM", "LMOutput", "generate"),
+    "mhmoe.model": ("LM", "Encoder", "EncoderOutput", "LMOutput", "build_model", "generate"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # static analysers see the real names
         preset_names,
     )
     from mhmoe.errors import CheckpointError, ConfigError, DataError
-    from mhmoe.model import LM, LMOutput, generate
+    from mhmoe.model import LM, Encoder, EncoderOutput, LMOutput, build_model, generate
     from mhmoe.moe import (
         DenseFFN,
         DenseLayer,

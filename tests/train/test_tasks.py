@@ -142,3 +142,20 @@ def test_cli_train_eval_generate_on_an_encoder_run(tmp_path, capsys):
     assert set(out["eval"]) == {"masked", "masked_image", "masked_text"}
     assert main(["generate", "--checkpoint", str(tmp_path / "r"), "--prompt", "in the"]) == 2
     assert "encoder" in capsys.readouterr().err
+
+
+def test_cli_compare_runs_masked_multimodal_presets(tmp_path, capsys):
+    """`mhmoe compare` on two tiny-icml-mm presets (shrunk with --set onto the digits data): one table with
+    the masked perplexity columns."""
+    from mhmoe.cli import main
+
+    run = mm_run(tmp_path)  # writes the text corpus
+    sets = ["model.d_model=48", "model.n_heads=4", "model.d_ff=64", "model.n_layers=2", "model.max_seq_len=32",
+            "model.moe.d_expert=32", "model.moe.n_experts=4", "train.batch_size=6", f"train.seq_len={DIGITS_SEQ}",
+            "train.eval_batches=2", "train.threads=1", "train.device=cpu", "data.image_set=digits", "data.text_len=8",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.val_tokens=512"]
+    argv = ["compare", "--presets", "tiny-icml-mm-xmoe-8", "tiny-icml-mm-mh4-8", "--out", str(tmp_path / "c"),
+            "--max-steps", "2", "--data", run.data.corpus, "--no-progress"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    out = capsys.readouterr().out
+    assert "ppl masked_image" in out and "tiny-icml-mm-mh4-8" in out and "tiny-icml-mm-xmoe-8" in out

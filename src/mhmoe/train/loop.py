@@ -6,6 +6,10 @@ Reading order: :func:`train` builds a :class:`Trainer`; :meth:`Trainer.run` call
 optimizer and scheduler step), then :meth:`~Trainer.log_step`, :meth:`~Trainer.evaluate` and
 :meth:`~Trainer.save` when they are due, and :meth:`~Trainer.finish` at the end.
 
+What is trained is a task (:mod:`mhmoe.train.tasks`, chosen by ``data.task``): it prepares the data,
+draws each micro-batch, runs the model's training forward and evaluates; the loop is the same for the
+causal LM and the masked multi-modal encoder.
+
 Exact resume on CPU: the batch of (step, micro-step) is a pure function of the seed
 (:class:`mhmoe.data.BatchSampler`); the optimizer, scheduler and RNG states are checkpointed; so a
 run stopped at step k and resumed produces the same losses, bit for bit, as an uninterrupted run.
