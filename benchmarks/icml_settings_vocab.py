@@ -75,13 +75,32 @@ def step_time(vocab: int, steps: int, batch: int, seq: int) -> dict[str, float]:
             "step_s_median": statistics.median(times), "tokens_per_s": batch * seq / statistics.median(times)}
 
 
+def table(rows: dict) -> list[dict]:
+    """The numbers docs/ICML-SETTINGS.md prints, rounded as printed: per tokenizer its mean tokens per
+    character, parameters, embedding share, forward FLOPs per token and per character, LM-head share."""
+    return [{"tokenizer": name, "vocab_size": r["vocab_size"], "tokens_per_char": round(r["tokens_per_char_mean"], 3),
+             "params_M": round(r["params"] / 1e6, 2), "embedding_share": round(r["embedding_params"] / r["params"], 2),
+             "fwd_flops_per_token_M": round(r["fwd_flops_per_token"] / 1e6, 2),
+             "lm_head_share": round(r["lm_head_flops_share"], 2),
+             "fwd_flops_per_char_M": round(r["fwd_flops_per_token"] * r["tokens_per_char_mean"] / 1e6, 2),
+             "step_s": round(r["step_s_median"], 1),
+             **{f"tokens_per_char_{k}": round(v, 3) for k, v in r["tokens_per_char"].items()}}
+            for name, r in rows.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--table-only", action="store_true", help="recompute the printed table of an existing --out")
     ap.add_argument("--bpe", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.table_only:
+        data = json.loads(Path(args.out).read_text(encoding="utf-8"))
+        Path(args.out).write_text(json.dumps({**data, "table": table(data["tokenizers"])}, indent=1) + "\n",
+                                  encoding="utf-8")
+        return
     torch.set_num_threads(args.threads)
     train_docs = load_corpus("manpages").split("train")
     cache = default_cache_dir("")
@@ -100,7 +119,8 @@ def main() -> None:
         print(name, json.dumps({k: v for k, v in rows[name].items() if k != "tokens_per_char"}), flush=True)
     Path(args.out).write_text(json.dumps({"machine": cpu_name(), "torch": torch.__version__,
                                           "model": "tiny-icml-mh4-8 (d=192, 4 layers), batch 16 x 256, fp32",
-                                          "tokenizers": rows}, indent=1) + "\n", encoding="utf-8")
+                                          "tokenizers": rows, "table": table(rows)}, indent=1) + "\n",
+                                         encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_config_refuses_task_and_model_that_do_not_fit(tmp_path):
         build_task(run.with_overrides(["train.seq_len=30"]))
 
 
-def test_cli_train_eval_generate_on_an_encoder_run(tmp_path, capsys):
+def test_cli_train_eval_generate_export_on_an_encoder_run(tmp_path, capsys):
     from mhmoe.cli import main
 
     cfg = tmp_path / "mm.yaml"
@@ -142,6 +142,11 @@ def test_cli_train_eval_generate_on_an_encoder_run(tmp_path, capsys):
     assert set(out["eval"]) == {"masked", "masked_image", "masked_text"}
     assert main(["generate", "--checkpoint", str(tmp_path / "r"), "--prompt", "in the"]) == 2
     assert "encoder" in capsys.readouterr().err
+    for argv in (["export", "--hf", str(tmp_path / "r"), str(tmp_path / "hf")],
+                 ["export", "--bitnet", str(tmp_path / "r"), str(tmp_path / "bitnet")]):
+        assert main(argv) == 2  # causal-LM formats refuse an encoder in one line
+        assert "decoder" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "bitnet").exists()
 
 
 def test_cli_compare_runs_masked_multimodal_presets(tmp_path, capsys):
@@ -159,3 +164,14 @@ def test_cli_compare_runs_masked_multimodal_presets(tmp_path, capsys):
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
     out = capsys.readouterr().out
     assert "ppl masked_image" in out and "tiny-icml-mm-mh4-8" in out and "tiny-icml-mm-xmoe-8" in out
+
+
+def test_lm_harness_refuses_an_encoder():
+    pytest.importorskip("lm_eval")
+    from mhmoe.data.tokenizer import ByteTokenizer
+    from mhmoe.integrations.lmeval import MHMoEHarnessLM
+
+    enc = Encoder(ModelConfig(arch="encoder", vocab_size=300, d_model=48, n_layers=1, n_heads=4, d_ff=64,
+                              max_seq_len=32))
+    with pytest.raises(ValueError, match="model.arch=encoder"):
+        MHMoEHarnessLM(model=enc, tokenizer=ByteTokenizer())
