@@ -4,6 +4,8 @@ constants that agree with the data layer they cannot import."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mhmoe.config.data import IMAGE_SETS
@@ -28,7 +30,11 @@ def test_settings_share_the_english_models(scale, kind):
     english = get_preset(f"{scale}-dense" if kind == "dense" else f"{scale}-icml-{kind}")
     for setting in ("ml", "mm"):
         run = get_preset(f"{scale}-icml-{setting}-{kind}")
-        assert run.model.moe == english.model.moe
+        moe = run.model.moe
+        if moe.kind == "moe":  # renormalised top-2 weights (X-MoE), routing dimension 16 / 16/h (ICML Table 9)
+            assert moe.renormalize is True and moe.router_dim == (4 if moe.heads == 4 else 16)
+            moe = replace(moe, renormalize=english.model.moe.renormalize, router_dim=english.model.moe.router_dim)
+        assert moe == english.model.moe
         assert (run.model.d_model, run.model.n_layers, run.model.n_heads, run.model.d_ff) == (
             english.model.d_model, english.model.n_layers, english.model.n_heads, english.model.d_ff)
 

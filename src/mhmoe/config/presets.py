@@ -128,7 +128,10 @@ def icml_setting_run(scale: str, setting: str, heads: int, experts: int) -> RunC
     """ICML Table 1's ``ml`` (multilingual LM) or ``mm`` (masked multi-modal) setting: Dense
     (``experts=0``), X-MoE (``heads=1``) or MH-MoE (``heads=4``) at the English setting's sizes."""
     kind = "dense" if experts == 0 else f"xmoe-{experts}" if heads == 1 else f"mh{heads}-{experts}"
-    moe = moe_config(scale, "dense") if experts == 0 else icml_moe_config(scale, heads, experts)
+    if experts == 0:
+        moe = moe_config(scale, "dense")
+    else:  # X-MoE's renormalised top-2 combine weights; ICML Table 9's routing dimension: 16, 16/h for MH-MoE
+        moe = replace(icml_moe_config(scale, heads, experts), renormalize=True, router_dim=max(1, round(16 / heads)))
     if setting == "ml":
         data = DataConfig(corpus="manpages", val_sets=MANPAGES_VAL_SETS, **ML_TOKENIZER[scale])
         model = ModelConfig(vocab_size=ML_VOCAB[scale], moe=moe, **SCALES[scale])
