@@ -67,7 +67,29 @@ def summarize_block(suite: str, folder: Path) -> dict:
                       "fwd_flops_per_token_M": _r2(float(rs[0]["fwd_flops_per_token"]) / 1e6),
                       "tokens_per_s": round(statistics.mean(float(r["tokens_per_s"]) for r in rs)),
                       "ppl": ppl, "paper": row.paper})
-    return {"suite": suite, "validation_sets": sets, "rows": table}
+    return {"suite": suite, "validation_sets": sets, "rows": table, "comparisons": compare(table, sets)}
+
+
+PAIRS = (("Dense", "X-MoE (8 experts)"), ("X-MoE (8 experts)", "MH-MoE (8 experts)"),
+         ("X-MoE (32 experts)", "MH-MoE (32 experts)"), ("X-MoE (8 experts)", "X-MoE (32 experts)"),
+         ("MH-MoE (8 experts)", "MH-MoE (32 experts)"))
+
+
+def compare(table: list[dict], sets: list[str]) -> list[dict]:
+    """Per pair of rows and validation set: which has the lower mean perplexity, by how much, and whether
+    the seeds separate them (every seed of one below every seed of the other); otherwise not established."""
+    by_label = {r["label"]: r for r in table}
+    out = []
+    for a, b in PAIRS:
+        if a not in by_label or b not in by_label:
+            continue
+        for s in sets:
+            pa, pb = by_label[a]["ppl"][s], by_label[b]["ppl"][s]
+            lower, higher = (pa, pb) if pa["mean"] <= pb["mean"] else (pb, pa)
+            out.append({"a": a, "b": b, "set": s, "lower": a if lower is pa else b,
+                        "mean_diff": _r2(higher["mean"] - lower["mean"]),
+                        "separated": max(lower["per_seed"]) < min(higher["per_seed"])})
+    return out
 
 
 def main() -> None:
