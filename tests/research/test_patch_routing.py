@@ -17,11 +17,19 @@ from mhmoe.research.patch_routing import (
     analyze_encoder_checkpoint,
     expert_canvas,
     image_inputs,
+    spread,
     subtoken_experts,
 )
 from mhmoe.train.checkpoint import load_latest
 from mhmoe.train.loop import train
 from mhmoe.train.tasks import build_task
+
+
+def test_checkpoints_shown_spread_over_the_run():
+    assert spread([1, 2], 3) == [1, 2]
+    assert spread([1, 2, 3, 4, 5], 3) == [1, 3, 5]
+    assert spread([10, 20, 30, 40], 3) == [10, 30, 40]
+    assert spread([10, 20, 30, 40], 1) == [40]
 
 
 def test_subtoken_layout():

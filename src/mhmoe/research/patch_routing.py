@@ -9,8 +9,8 @@ validation images, each alone and unmasked (``[CLS] v_1 .. v_P [SEP]``, the imag
   ``diversity.*``);
 - ``fig8.png``: per image, the picture, then its patch map of **assign diversity** (the number of
   distinct experts a patch's H sub-tokens are routed to, mean over the MoE layers; brighter = more
-  experts, as in ICML Fig. 8) for every checkpoint of the run, oldest to newest (ICML Fig. 8 shows
-  100k, 200k and 250k steps), and last the patches of the newest checkpoint cut into their H
+  experts, as in ICML Fig. 8) for up to three checkpoints of the run, oldest to newest (ICML Fig. 8
+  shows 100k, 200k and 250k steps), and last the patches of the newest checkpoint cut into their H
   sub-tokens, each coloured by the expert it goes to (its top-1 slot) in the last MoE layer;
 - ``fig8.json``: those maps as numbers (``diversity[step][image]`` rows x cols, ``experts[image]``
   rows x cols x H).
@@ -35,7 +35,7 @@ from mhmoe.train.checkpoint import load_checkpoint, load_latest
 from mhmoe.train.checkpoint_format import PREFIX, Checkpoint, list_checkpoints
 from mhmoe.train.tasks import MaskedMultimodalTask, build_task
 
-MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png, the newest ones
+MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png: the oldest, the newest and one between
 
 
 class ImageSequences(nn.Module):
@@ -111,13 +111,21 @@ def _decode(data: MaskedMultimodalData, tokenizer):
     return decode
 
 
+def spread(items: list, n: int) -> list:
+    """At most ``n`` items evenly spread over ``items``, the first and the last included."""
+    if len(items) <= n:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)] if n > 1 else [items[-1]]
+
+
 def _steps(checkpoint: str | Path, newest: Checkpoint) -> list[Path]:
-    """The checkpoints whose maps fig8.png shows: the run's newest MAX_STEPS_SHOWN, or the one given."""
+    """The checkpoints whose maps fig8.png shows: MAX_STEPS_SHOWN of the run's, spread from its oldest
+    kept checkpoint to the newest valid one; or only the checkpoint given."""
     p = Path(checkpoint)
     if (p / "meta.json").is_file() or p.name.startswith(PREFIX):
         return [newest.path]
     paths = [c for c in list_checkpoints(p) if int(c.name[len(PREFIX):]) <= newest.step]
-    return paths[-MAX_STEPS_SHOWN:] or [newest.path]
+    return spread(paths, MAX_STEPS_SHOWN) or [newest.path]
 
 
 def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batches: int = 8,
