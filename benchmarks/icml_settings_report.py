@@ -92,6 +92,29 @@ def compare(table: list[dict], sets: list[str]) -> list[dict]:
     return out
 
 
+def _cell(p: dict) -> str:
+    return f"{p['mean']:.2f} ± {p['std']:.2f}"
+
+
+def markdown(name: str, summary: dict) -> str:
+    """The doc's tables of one block: the models (params, FLOPs, perplexities, paper), and for the
+    multilingual block every language as a row."""
+    rows, sets = summary["rows"], summary["validation_sets"]
+    main_sets = [s for s in sets if not s.startswith("man-")]
+    lines = [f"<!-- source: docs/results/icml-settings-{name}.json -->",
+             "| model | params | fwd FLOPs/token | " + " | ".join(f"ppl {s}" for s in main_sets)
+             + " | paper (ICML Table 1) |", "|" + "---|" * (4 + len(main_sets))]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['params_M']}M | {r['fwd_flops_per_token_M']}M | "
+                     + " | ".join(_cell(r["ppl"][s]) for s in main_sets) + f" | {r['paper']['Perplexity']} |")
+    langs = [s for s in sets if s.startswith("man-")]
+    if langs:
+        lines += ["", f"<!-- source: docs/results/icml-settings-{name}.json -->",
+                  "| language | " + " | ".join(r["label"] for r in rows) + " |", "|" + "---|" * (1 + len(rows))]
+        lines += [f"| {s} | " + " | ".join(_cell(r["ppl"][s]) for r in rows) + " |" for s in langs]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, help="folder holding <suite>-tiny/ reproduce outputs")
@@ -108,6 +131,7 @@ def main() -> None:
         summary = {**summarize_block(suite, folder), "machine": args.machine, "command": args.command}
         (out / f"icml-settings-{name}.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n",
                                                        encoding="utf-8")
+        print(markdown(name, summary), end="\n\n")
     fig = Path(args.runs) / "fig8" / "fig8.png"
     if fig.exists():
         shutil.copy(fig, out / "icml-settings-fig8.png")
