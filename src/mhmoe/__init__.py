@@ -28,7 +28,7 @@ _EXPORTS = {
     "mhmoe.moe": ("DenseFFN", "DenseLayer", "FFNOutput", "GroupedExperts", "MHMoELayer", "MoELayer", "RouterOutput",
                   "RoutingStats", "SharedExperts", "build_ffn_layer", "build_router", "entropy_loss",
                   "load_balancing_loss", "router_z_loss"),
-    "mhmoe.model": ("LM", "LMOutput", "generate"),
+    "mhmoe.model": ("LM", "Encoder", "EncoderOutput", "LMOutput", "build_model", "generate"),
     "mhmoe.data": ("Tokenizer", "load_tokenizer"),
     "mhmoe.train.checkpoint": ("load_latest",),
     "mhmoe.train.pretrained": ("Pretrained", "load"),
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # static analysers see the real names
     )
     from mhmoe.data import Tokenizer, load_tokenizer
     from mhmoe.errors import CheckpointError, ConfigError, DataError
-    from mhmoe.model import LM, LMOutput, generate
+    from mhmoe.model import LM, Encoder, EncoderOutput, LMOutput, build_model, generate
     from mhmoe.moe import (
         DenseFFN,
         DenseLayer,

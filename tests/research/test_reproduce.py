@@ -8,14 +8,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.cli import main
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm import LM
+from mhmoe.model import build_model
 from mhmoe.research import reproduce
 
 
 def _moe_layer_counts(run):
     torch.manual_seed(0)
     cfg = run.model
-    model = LM(cfg)
+    model = build_model(cfg)
     block = next(b for b in model.blocks if b.is_moe)
     params = sum(p.numel() for n, p in block.ffn.named_parameters() if "router" not in n and not n.endswith("bias"))
     x = torch.randn(64, cfg.d_model)

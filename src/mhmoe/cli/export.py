@@ -52,6 +52,8 @@ def _run_export(args) -> int:
     out = Path(args.out)
     refuse_non_empty(out)
     ck = load_latest(args.checkpoint, "cpu")
+    if ck.run.model.arch != "decoder":
+        raise ConfigError("--checkpoint", args.checkpoint, "a decoder run (the packed export is for language models)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # written completely, then renamed into place
     shutil.rmtree(tmp, ignore_errors=True)

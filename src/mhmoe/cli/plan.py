@@ -80,6 +80,7 @@ def _run_presets(args) -> int:
             f"{moe.n_experts}x{moe.d_expert} top-{moe.top_k}" + (f" h={moe.heads}" if moe.heads > 1 else "")
             + (f" +{moe.n_shared} shared" if moe.n_shared else "") + f" {moe.router}/{moe.ffn}")
         desc += f" {m.quant}" if m.quant != "none" else ""
+        desc += " encoder (masked multi-modal)" if m.arch == "encoder" else ""
         rows.append({"name": name, "d_model": m.d_model, "n_layers": m.n_layers, "ffn": desc})
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -32,12 +32,12 @@ def _add_reproduce(sub) -> None:
 
 
 def _run_reproduce(args: argparse.Namespace) -> int:
-    from mhmoe.research.reproduce import run_suite, suite_rows
+    from mhmoe.research.reproduce import run_table, suite_rows
 
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
-    run_suite(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
-              progress=not args.no_progress, train_missing=not args.report_only, only=args.rows)
+    run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
+               progress=not args.no_progress, train_missing=not args.report_only, only=args.rows)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
 
@@ -56,9 +56,20 @@ def _add_analyze(sub) -> None:
     p.add_argument("--batches", type=int, default=8, help="evaluation batches to route")
     p.add_argument("--threshold", type=float, default=0.01,
                    help="activation threshold in selections per token (uniform routing gives H*K/E)")
+    p.add_argument("--images", type=int, default=6, help="encoder runs: images in the Fig. 8 picture (fig8.png)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run the model")
     p.add_argument("--json", action="store_true", help="print summary.json")
     p.set_defaults(func=_run_analyze)
+
+
+def _is_encoder_run(checkpoint: str) -> bool:
+    """A run or checkpoint directory whose config.yaml says model.arch=encoder (masked multi-modal)."""
+    from pathlib import Path
+
+    from mhmoe.config.run import RunConfig
+
+    cfg = Path(checkpoint) / "config.yaml"
+    return cfg.is_file() and RunConfig.load(cfg).model.arch == "encoder"
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
@@ -73,13 +84,23 @@ def _run_analyze(args: argparse.Namespace) -> int:
     if args.suite:
         return _run_analyze_suite(args)
     out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
-    summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold,
-                                 str(resolve_device(args.device, "--device")))
+    device = str(resolve_device(args.device, "--device"))
+    if _is_encoder_run(args.checkpoint):  # image patches of the validation images, and ICML Fig. 8
+        from mhmoe.research.patch_routing import analyze_encoder_checkpoint
+
+        if args.data or args.images < 1:
+            raise ConfigError("--data/--images", (args.data, args.images), "no --data and --images >= 1 for an "
+                              "encoder run (it is analysed on its validation images)")
+        summary = analyze_encoder_checkpoint(args.checkpoint, out, args.batches, args.threshold, device, args.images)
+    else:
+        summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold, device)
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
     else:
         _print_analysis(summary, args.threshold)
         print(f"report: {out}/(activation|diversity).(png|csv), summary.json", file=sys.stderr)
+        if "fig8" in summary:
+            print(f"ICML Fig. 8 (patch assign diversity, sub-token experts): {summary['fig8']}", file=sys.stderr)
     return 0
 
 

@@ -7,7 +7,6 @@ config field; ``--set KEY=VALUE`` reaches any other field, and a flag wins over 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -158,23 +157,17 @@ def _run_eval(args) -> int:
         from mhmoe.cli.ecosystem import run_eval_tasks
 
         return run_eval_tasks(args)
-    from mhmoe.data import prepare_data
     from mhmoe.runtime.device import resolve_device
     from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.evaluate import evaluate
+    from mhmoe.train.tasks import evaluate_checkpoint
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError("--batches", args.batches, ">= 1")
     device = resolve_device(args.device, "--device")
     ck = load_latest(args.checkpoint, device)
-    cfg = ck.run.train
-    dtype = args.dtype or cfg.dtype
+    dtype = args.dtype or ck.run.train.dtype
     warn_slow_bf16(device.type, dtype)
-    # caches go where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where a checkpoint says
-    data_cfg = dataclasses.replace(ck.run.data, cache_dir="")
-    data = prepare_data(data_cfg, seq_len=cfg.seq_len, tokenizer=ck.tokenizer)
-    res = evaluate(ck.model, data.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                   max_batches=args.batches or cfg.eval_batches, device=device, dtype=dtype)
+    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device, dtype)  # the run's own task
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "eval": res}, indent=2))
     else:
@@ -209,6 +202,8 @@ def _run_generate(args) -> int:
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         model = load(args.checkpoint, args.device)
+        if model.run is not None and model.run.model.arch != "decoder":
+            raise ConfigError("--checkpoint", args.checkpoint, "a decoder (language model) run; this one is an encoder")
         print(model.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
     except ConfigError as exc:  # name the flag, not the Python parameter
         raise ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None

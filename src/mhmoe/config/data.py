@@ -10,6 +10,10 @@ from mhmoe.errors import ConfigError
 MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
 TOKENIZERS: tuple[str, ...] = ("bpe", "gpt2", "cl100k_base", "byte")
 MAX_BPE_VOCAB = 1 << 20
+# lm: next-token prediction on a text corpus (model.arch=decoder); masked_mm: masked multi-modal
+# modelling on images + text (model.arch=encoder; mhmoe.data.multimodal, docs/ICML-SETTINGS.md)
+TASKS: tuple[str, ...] = ("lm", "masked_mm")
+IMAGE_SETS: tuple[str, ...] = ("emoji", "digits")  # mhmoe.data.images.IMAGE_SETS
 
 
 @dataclass
@@ -24,6 +28,11 @@ class DataConfig:
     val_tokens: int = 65536  # cap of tokens per validation set
     cache_dir: str = ""  # default: $MHMOE_CACHE or ~/.cache/mhmoe
     seed: int = 1234
+    # ---- masked multi-modal modelling (task=masked_mm; corpus is then the text-only stream) ------
+    task: str = "lm"  # lm | masked_mm (TASKS)
+    image_set: str = "emoji"  # emoji | digits
+    codebook_size: int = 0  # visual vocabulary (k-means codes); 0 = the image set's default
+    text_len: int = 16  # caption tokens of an image-text pair (sequence length = patches + text_len + 3)
 
     def __post_init__(self) -> None:
         if isinstance(self.val_sets, (list, str)):
@@ -49,3 +58,17 @@ class DataConfig:
             raise ConfigError("data.cache_dir", self.cache_dir, "a directory path string ('' = default)")
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError("data.seed", self.seed, "integer in 0..2**63-1")
+        self._check_masked_mm()
+
+    def _check_masked_mm(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError("data.task", self.task, " | ".join(TASKS))
+        if self.image_set not in IMAGE_SETS:
+            raise ConfigError("data.image_set", self.image_set, " | ".join(IMAGE_SETS))
+        if not is_int(self.codebook_size) or not (self.codebook_size == 0 or 2 <= self.codebook_size <= 65536):
+            raise ConfigError("data.codebook_size", self.codebook_size, "0 (the image set's default) or 2..65536")
+        if not is_int(self.text_len) or self.text_len < 1:
+            raise ConfigError("data.text_len", self.text_len, "integer >= 1")
+        if self.task == "masked_mm" and self.val_sets:
+            raise ConfigError("data.val_sets", list(self.val_sets),
+                              "[] with data.task=masked_mm (its validation set is the fixed masked image/text set)")

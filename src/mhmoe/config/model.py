@@ -10,16 +10,22 @@ from mhmoe.config.fields import check, check_types, coerce_fields
 from mhmoe.config.moe import QUANTS, MoEConfig
 from mhmoe.errors import ConfigError
 
+# decoder: the causal LM (mhmoe.model.lm, data.task=lm); encoder: the bidirectional masked-data
+# encoder (mhmoe.model.encoder, data.task=masked_mm)
+ARCHS: tuple[str, ...] = ("decoder", "encoder")
+
 
 @dataclass
 class ModelConfig:
     """Transformer hyper-parameters; ``moe`` describes the FFN of every ``moe_every``-th block.
 
-    The model is a causal decoder, so routing settings that let a token's output depend on later
-    tokens (expert-choice routing, GShard capacity priority; :meth:`MoEConfig.noncausal_fields`) are
-    refused with a one-line ``ConfigError`` naming the ``model.moe`` field.
+    ``arch="decoder"`` is a causal language model, so routing settings that let a token's output depend on
+    later tokens (expert-choice routing, GShard capacity priority; :meth:`MoEConfig.noncausal_fields`) are
+    refused with a one-line ``ConfigError`` naming the ``model.moe`` field; the bidirectional
+    ``arch="encoder"`` accepts them.
     """
 
+    arch: str = "decoder"  # decoder | encoder (ARCHS)
     vocab_size: int = 8192  # overwritten from the tokenizer at training time when 0
     d_model: int = 768
     n_layers: int = 12
@@ -43,6 +49,7 @@ class ModelConfig:
             self.moe = MoEConfig.from_dict(self.moe)
         check(isinstance(self.moe, MoEConfig), "model.moe", type(self.moe).__name__, "a MoEConfig")
         check_types(self, "")
+        check(self.arch in ARCHS, "arch", self.arch, " | ".join(ARCHS))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_every", "max_seq_len"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")
@@ -56,7 +63,7 @@ class ModelConfig:
         if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
             self.moe = replace(self.moe, quant=self.quant)
         self.moe.check_d_model(self.d_model, "d_model")
-        for name, value, allowed in self.moe.noncausal_fields():
+        for name, value, allowed in self.moe.noncausal_fields() if self.arch == "decoder" else ():
             raise ConfigError(f"model.moe.{name}", value, allowed)
 
     def is_moe_block(self, i: int) -> bool:

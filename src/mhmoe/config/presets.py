@@ -109,6 +109,51 @@ def bitnet_run(run: RunConfig, name: str | None = None) -> RunConfig:
     return RunConfig(name=name or f"{run.name}-bitnet", model=model, train=train, data=run.data)
 
 
+# ---- ICML Table 1's multilingual and masked multi-modal settings (docs/ICML-SETTINGS.md) ---------------
+# Dense / X-MoE / MH-MoE (h=4) as in the English setting (icml_moe_config), on other data:
+# ``ml``: the causal decoder on Debian's translated man pages (13 languages), validated per language;
+# ``mm``: the bidirectional encoder (model.arch=encoder) trained by masked-data modelling on emoji
+# images (64 patches -> k-means codes), their Unicode names as captions, and KJV text.
+MANPAGES_VAL_SETS = tuple(f"man-{c}" for c in ("en", "de", "fr", "es", "it", "pt-br", "nl", "pl", "cs", "ru", "uk",
+                                                "ja", "zh"))  # = mhmoe.data.manpages.MANPAGES_VAL_SETS
+# the paper's GPT-4 vocabulary at paper scale; at tiny scale a byte-level BPE trained on the training split
+# (cl100k's 100k-row embedding and LM head would be most of the tiny model's compute; docs/ICML-SETTINGS.md)
+ML_TOKENIZER = {"paper": dict(tokenizer="cl100k_base"), "tiny": dict(tokenizer="bpe", vocab_size=16384)}
+ML_VOCAB = {"paper": 100277, "tiny": 16384}
+MM_SEQ_LEN = 64 + 16 + 3  # emoji: 8x8 patches + text_len 16 + [CLS] [SEP] [SEP]
+MM_VOCAB = 257 + 256 + 4  # bytes + EOS, 256 visual codes, [PAD] [MASK] [CLS] [SEP]
+MM_TRAIN = {
+    # ICML Table 10 (multi-modality): batch 512, AdamW, peak lr 2.8e-3, cosine decay, 10k warm-up, wd 0.05;
+    # steps: Fig. 8 shows 250k
+    "paper": TrainConfig(max_steps=250_000, batch_size=64, seq_len=MM_SEQ_LEN, grad_accum=8, lr=2.8e-3,
+                         warmup_steps=10_000, schedule="cosine", weight_decay=0.05, dtype="bfloat16",
+                         eval_every=5000, ckpt_every=5000, eval_batches=64),
+    "tiny": TrainConfig(max_steps=200, batch_size=32, seq_len=MM_SEQ_LEN, lr=2e-3, warmup_steps=20, min_lr_ratio=0.1,
+                        schedule="cosine", weight_decay=0.05, dtype="float32", log_every=10, eval_every=0,
+                        ckpt_every=100, eval_batches=64),
+}
+
+
+def icml_setting_run(scale: str, setting: str, heads: int, experts: int) -> RunConfig:
+    """ICML Table 1's ``ml`` (multilingual LM) or ``mm`` (masked multi-modal) setting: Dense
+    (``experts=0``), X-MoE (``heads=1``) or MH-MoE (``heads=4``) at the English setting's sizes."""
+    kind = "dense" if experts == 0 else f"xmoe-{experts}" if heads == 1 else f"mh{heads}-{experts}"
+    if experts == 0:
+        moe = moe_config(scale, "dense")
+    else:  # X-MoE's renormalised top-2 combine weights; ICML Table 9's routing dimension: 16, 16/h for MH-MoE
+        moe = replace(icml_moe_config(scale, heads, experts), renormalize=True, router_dim=max(1, round(16 / heads)))
+    if setting == "ml":
+        data = DataConfig(corpus="manpages", val_sets=MANPAGES_VAL_SETS, **ML_TOKENIZER[scale])
+        model = ModelConfig(vocab_size=ML_VOCAB[scale], moe=moe, **SCALES[scale])
+        return RunConfig(name=f"{scale}-icml-ml-{kind}", model=model,
+                         train=TrainConfig(**TRAIN[scale].__dict__), data=data)
+    dims = {**SCALES[scale], "max_seq_len": 128}
+    data = DataConfig(task="masked_mm", corpus="kjv", tokenizer="byte", image_set="emoji", text_len=16, val_sets=())
+    model = ModelConfig(arch="encoder", vocab_size=MM_VOCAB, moe=moe, **dims)
+    return RunConfig(name=f"{scale}-icml-mm-{kind}", model=model,
+                     train=TrainConfig(**MM_TRAIN[scale].__dict__), data=data)
+
+
 def _registry() -> dict[str, Callable[[], RunConfig]]:
     reg: dict[str, Callable[[], RunConfig]] = {}
     for scale in SCALES:
@@ -121,10 +166,17 @@ def _registry() -> dict[str, Callable[[], RunConfig]]:
         for e in (8, 32):
             reg[f"{scale}-icml-xmoe-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-xmoe-{e}", s, icml_moe_config(s, 1, e))
             reg[f"{scale}-icml-mh4-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-mh4-{e}", s, icml_moe_config(s, 4, e))
+        for setting in ("ml", "mm"):
+            reg[f"{scale}-icml-{setting}-dense"] = lambda s=scale, t=setting: icml_setting_run(s, t, 1, 0)
+            for e in (8, 32):
+                reg[f"{scale}-icml-{setting}-xmoe-{e}"] = lambda s=scale, t=setting, e=e: icml_setting_run(s, t, 1, e)
+                reg[f"{scale}-icml-{setting}-mh4-{e}"] = lambda s=scale, t=setting, e=e: icml_setting_run(s, t, 4, e)
     # the issue's short names for the paper scale
     for e in (8, 32):
         reg[f"icml-xmoe-{e}"] = reg[f"paper-icml-xmoe-{e}"]
         reg[f"icml-mh4-{e}"] = reg[f"paper-icml-mh4-{e}"]
+    for name in [n for n in reg if n.startswith(("paper-icml-ml-", "paper-icml-mm-"))]:
+        reg[name.removeprefix("paper-")] = reg[name]
     return reg
 
 

@@ -48,6 +48,8 @@ class RunConfig:
         self.data = _section(DataConfig, self.data, "data")
         check(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", self.train.seq_len,
                f"<= model.max_seq_len={self.model.max_seq_len}")
+        arch = "encoder" if self.data.task == "masked_mm" else "decoder"  # the model each task trains
+        check(self.model.arch == arch, "model.arch", self.model.arch, f"{arch} with data.task={self.data.task}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -62,6 +62,8 @@ class MHMoEHarnessLM(TemplateLM):
             model, tokenizer = ck.model, ck.tokenizer
         if tokenizer is None:
             raise ValueError("mhmoe harness backend: model= needs tokenizer=")
+        if getattr(model, "cfg", None) is not None and model.cfg.arch != "decoder":
+            raise ValueError(f"mhmoe harness backend: model.arch={model.cfg.arch}; the harness scores causal LMs")
         assert model is not None
         self.model: LM = model.eval()
         self.tok = tokenizer

@@ -158,6 +158,8 @@ class LM(nn.Module, PretrainedMixin):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ConfigError("vocab_size", cfg.vocab_size, "an integer >= 1 (set it from the tokenizer)")
+        if cfg.arch != "decoder":
+            raise ConfigError("model.arch", cfg.arch, "decoder for the causal LM (mhmoe.model.build_model)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))

@@ -24,7 +24,15 @@ from pathlib import Path
 
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.planner import plan
-from mhmoe.config.presets import SCALES, _run, bitnet_run, icml_moe_config, icml_router_dim, moe_config
+from mhmoe.config.presets import (
+    SCALES,
+    _run,
+    bitnet_run,
+    icml_moe_config,
+    icml_router_dim,
+    icml_setting_run,
+    moe_config,
+)
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.research.report import plot_suite_curves, write_json
@@ -161,6 +169,50 @@ SUITES: dict[str, list[Row]] = {
     ],
 }
 SUITE_SCALES = ("tiny", "small", "paper")
+
+
+# ---- ICML Table 1's multilingual and masked multi-modal blocks (docs/ICML-SETTINGS.md) ----------------
+def _setting(setting: str, heads: int, experts: int) -> Callable[[str], RunConfig]:
+    """A row of the multilingual (``ml``) or masked multi-modal (``mm``) block: the ``*-icml-ml-*`` /
+    ``*-icml-mm-*`` presets (Dense: ``experts=0``; X-MoE: ``heads=1``; MH-MoE: ``heads=4``)."""
+    return lambda scale: icml_setting_run(scale, setting, heads, experts)
+
+
+def _setting_rows(setting: str, paper: tuple[float, float, float, float, float]) -> list[Row]:
+    """Dense, X-MoE and MH-MoE with 8 and 32 experts beside ICML Table 1's perplexities, in that order."""
+    return [
+        Row("Dense", _setting(setting, 1, 0), {"Perplexity": paper[0]}),
+        Row("X-MoE (8 experts)", _setting(setting, 1, 8), {"Perplexity": paper[1]}, "icml-8"),
+        Row("MH-MoE (8 experts)", _setting(setting, 4, 8), {"Perplexity": paper[2]}, "icml-8"),
+        Row("X-MoE (32 experts)", _setting(setting, 1, 32), {"Perplexity": paper[3]}, "icml-32"),
+        Row("MH-MoE (32 experts)", _setting(setting, 4, 32), {"Perplexity": paper[4]}, "icml-32"),
+    ]
+
+
+SUITES["icml-table1-multilingual"] = _setting_rows("ml", (8.56, 7.19, 6.26, 6.02, 5.09))
+SUITES["icml-table1-multimodal"] = _setting_rows("mm", (17.95, 16.34, 14.73, 12.68, 10.87))
+# a table whose other blocks are suites of their own: run_table runs them after it, each in OUT/<block>/
+SUITE_BLOCKS: dict[str, tuple[str, ...]] = {"icml-table1": ("icml-table1-multilingual", "icml-table1-multimodal")}
+
+
+def run_table(name: str, out: str | Path, **kwargs) -> list[dict]:
+    """:func:`run_suite` for ``name`` and then for each of its blocks (:data:`SUITE_BLOCKS`) in
+    ``OUT/<block>/``; ``OUT/results.md`` then holds every block's table (CSV and curves stay per block).
+    Report-only (``train_missing=False``) leaves out the blocks without a finished run."""
+    out = Path(out)
+    parts = [(name, out)] + [(b, out / b) for b in SUITE_BLOCKS.get(name, ())]
+    if len(parts) == 1:
+        return run_suite(name, out, **kwargs)
+    results, tables = [], []
+    for suite, where in parts:
+        if not kwargs.get("train_missing", True) and not any(where.glob("*/seed*/results.json")):
+            continue
+        results += run_suite(suite, where, **kwargs)
+        tables.append((where / "results.md").read_text(encoding="utf-8"))
+    if not results:
+        raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
+    (out / "results.md").write_text("\n".join(tables), encoding="utf-8")
+    return results
 
 
 def suite_rows(name: str) -> list[Row]:

@@ -43,7 +43,7 @@ from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer import load_tokenizer
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import CheckpointError
-from mhmoe.model.lm import LM
+from mhmoe.model import build_model
 from mhmoe.train.checkpoint_format import (
     CKPT_DIR,
     FORMAT_VERSION,
@@ -61,7 +61,7 @@ from mhmoe.train.checkpoint_format import (
 from mhmoe.train.dcp_reader import load_dcp_single
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: LM, run: RunConfig, tokenizer: Tokenizer,
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, run: RunConfig, tokenizer: Tokenizer,
                     trainer_state: dict[str, Any], keep_last: int = 2) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep_last``.
 
@@ -98,7 +98,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", for_re
         return load_dcp_single(path, int(meta["step"]), device, for_resume)
     try:
         run = RunConfig.load(path / "config.yaml")
-        model = LM(run.model)
+        model = build_model(run.model)
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
         if [m for m in missing if not m.startswith("rope_")] or unexpected:
             raise CheckpointError(f"{path}: weights do not match the config (missing {missing[:3]}, "

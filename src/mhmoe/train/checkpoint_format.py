@@ -22,6 +22,7 @@ import torch
 from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import CheckpointError
+from mhmoe.model.encoder import Encoder
 from mhmoe.model.lm import LM
 from mhmoe.runtime.checkpoint_files import (  # noqa: F401 -- re-exported: the file format lives in runtime/
     CKPT_DIR,
@@ -142,6 +143,6 @@ class Checkpoint:
     path: Path
     step: int
     run: RunConfig
-    model: LM
+    model: LM | Encoder  # ModelConfig.arch: decoder | encoder
     tokenizer: Tokenizer
     trainer_state: dict[str, Any]

@@ -18,7 +18,7 @@ from torch import nn
 from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer import load_tokenizer
 from mhmoe.errors import CheckpointError
-from mhmoe.model.lm import LM
+from mhmoe.model import build_model
 from mhmoe.train.checkpoint_format import Checkpoint, check_optimizer_state, check_trainer_state, first_line
 from mhmoe.train.dcp_safe import read_dcp_full as safe_read_dcp_full
 from mhmoe.train.optim import build_optimizer
@@ -77,7 +77,7 @@ def load_dcp_single(path: str | Path, step: int, device: str | torch.device = "c
     path = Path(path)
     try:
         run = RunConfig.load(path / "config.yaml")
-        model = LM(run.model)
+        model = build_model(run.model)
         full = read_dcp_full(path)
         missing, unexpected = model.load_state_dict(full["model"], strict=False)
         if [m for m in missing if not m.startswith("rope_")] or unexpected:

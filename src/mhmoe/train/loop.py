@@ -6,6 +6,10 @@ Reading order: :func:`train` builds a :class:`Trainer`; :meth:`Trainer.run` call
 optimizer and scheduler step), then :meth:`~Trainer.log_step`, :meth:`~Trainer.evaluate` and
 :meth:`~Trainer.save` when they are due, and :meth:`~Trainer.finish` at the end.
 
+What is trained is a task (:mod:`mhmoe.train.tasks`, chosen by ``data.task``): it prepares the data,
+draws each micro-batch, runs the model's training forward and evaluates; the loop is the same for the
+causal LM and the masked multi-modal encoder.
+
 Exact resume on CPU: the batch of (step, micro-step) is a pure function of the seed
 (:class:`mhmoe.data.BatchSampler`); the optimizer, scheduler and RNG states are checkpointed; so a
 run stopped at step k and resumed produces the same losses, bit for bit, as an uninterrupted run.
@@ -35,20 +39,19 @@ from torch import Tensor
 
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
-from mhmoe.data import BatchSampler, PreparedData, prepare_data
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm import LM
+from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.checkpoint_format import remove_stale_temporaries
-from mhmoe.train.evaluate import evaluate
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
+from mhmoe.train.tasks import Task, build_task
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
@@ -151,16 +154,14 @@ class Trainer:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
-        self.data = self._prepare_data(progress)
+        self.task = self._prepare_task(progress)
         self._write_config()
-        self.model = self.ckpt.model if self.ckpt and self.ckpt.model is not None else LM(self.run_cfg.model)
+        self.model = self.ckpt.model if self.ckpt and self.ckpt.model is not None else build_model(self.run_cfg.model)
         self.module = par.parallelize(self.model)
         self.optimizer = build_optimizer(self.model, self.cfg, fused=par.fused_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
         self.state = self._restore()
         self.start = self.state.step
-        self.sampler = BatchSampler(self.data.train, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
-                                    seed=self.cfg.seed, rank=par.rank, world_size=par.world_size)
         self.forward = torch.compile(self.module) if self.cfg.compile else self.module
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
@@ -190,19 +191,20 @@ class Trainer:
                   f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
-    def _prepare_data(self, progress: bool) -> PreparedData:
-        """Tokenize and cache the data (rank 0 first, so the others read its cache)."""
+    def _prepare_task(self, progress: bool) -> Task:
+        """The run's task (``data.task``) with its data tokenized and cached (rank 0 first, so the others
+        read its cache); the model's vocabulary is sized from it."""
         if not self.par.is_rank0:
             self.par.barrier()
         tokenizer = self.ckpt.tokenizer if self.ckpt else None
-        data = prepare_data(self.run_cfg.data, seq_len=self.cfg.seq_len, tokenizer=tokenizer,
-                            progress=progress and self.par.is_rank0)
+        task = build_task(self.run_cfg, tokenizer=tokenizer, rank=self.par.rank, world_size=self.par.world_size,
+                          progress=progress and self.par.is_rank0)
         if self.par.is_rank0:
             self.par.barrier()
-        if self.run_cfg.model.vocab_size != data.tokenizer.vocab_size:
-            model = {**self.run_cfg.model.to_dict(), "vocab_size": data.tokenizer.vocab_size}
+        if self.run_cfg.model.vocab_size != task.vocab_size:
+            model = {**self.run_cfg.model.to_dict(), "vocab_size": task.vocab_size}
             self.run_cfg = RunConfig.from_dict({**self.run_cfg.to_dict(), "model": model})
-        return data
+        return task
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -230,13 +232,10 @@ class Trainer:
         lm = torch.zeros((), device=self.par.device)
         aux, routing = torch.zeros_like(lm), None
         for micro in range(n):
-            x, y = self.sampler.get_batch(step, micro)
-            if self.par.device.type == "cuda":  # page-locked: the copy to the device does not wait
-                x, y = x.pin_memory(), y.pin_memory()
-            x, y = x.to(self.par.device, non_blocking=True), y.to(self.par.device, non_blocking=True)
+            batch = self.task.micro_batch(step, micro, self.par.device)  # page-locked on CUDA: no wait
             with self.par.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.par.device, self.cfg.dtype):
-                    out = self.forward(x, y)
+                    out = self.task.forward(self.forward, batch)
                 ((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
             routing = sum_routing(routing, out.routing)
@@ -291,8 +290,8 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, dict[str, float]]:
         """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
         forwards are collectives); rank 0 logs to eval.jsonl."""
-        res = evaluate(self.model, self.data.val, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
-                       max_batches=self.cfg.eval_batches, device=self.par.device, dtype=self.cfg.dtype)
+        res = self.task.evaluate(self.model, max_batches=self.cfg.eval_batches, device=self.par.device,
+                                 dtype=self.cfg.dtype)
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
@@ -310,7 +309,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current step (atomic; older checkpoints pruned to ``train.keep_last``)."""
         self.par.save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer, self.run_cfg,
-                                 self.data.tokenizer, self.trainer_state(), self.cfg.keep_last)
+                                 self.task.tokenizer, self.trainer_state(), self.cfg.keep_last)
         self.saved_step = self.state.step
 
     # ---- the loop ----------------------------------------------------------------------------

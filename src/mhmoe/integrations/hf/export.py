@@ -35,6 +35,8 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike[str]) -> HFExportReport:
     under ``mhmoe_tokenizer/``) into ``out``, which must not exist or be empty. Everything is written
     into a hidden temporary sibling, reloaded with ``from_pretrained`` and compared with the
     checkpoint's logits, then renamed into place: ``out`` is never left half-written."""
+    if ck.run.model.arch != "decoder":
+        raise CheckpointError(f"{ck.path}: model.arch={ck.run.model.arch}; the transformers export is for decoders")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists and is not an empty directory (refusing to overwrite)")

@@ -1,0 +1,186 @@
+"""Bidirectional (MH-)MoE encoder for masked multi-modal modelling (the ICML paper's BEiT-3 setting at
+small scale), readable top to bottom.
+
+Shape legend: B batch, T positions, D model dim (d_model), NH attention heads, HD = D / NH head dim,
+V joint vocabulary (text ids, visual codes, ``[PAD] [MASK] [CLS] [SEP]``:
+:class:`mhmoe.data.multimodal.MultimodalVocab`). The FFN of every ``moe_every``-th block is the layer
+``ModelConfig.moe`` describes (dense, SMoE or MH-MoE, :mod:`mhmoe.moe`), exactly as in the decoder.
+
+    x = embed(ids) + modality(m) + row(r) + col(c)   [B, T, D]   (row/col only on image patches)
+    for block: x = x + attn(rmsnorm(x))              bidirectional SDPA with RoPE; padding keys masked
+               x = x + ffn(rmsnorm(x), mask)         dense SwiGLU or (MH-)MoE; padding is not routed
+    logits = head(rmsnorm(x))                        [B, T, V]   (tied to embed)
+    loss = cross-entropy(logits, targets) over the masked positions (loss_mask)
+
+Everything but the attention mask and the input embeddings is the decoder's
+(:mod:`mhmoe.model.lm`): the same attention projections and RoPE (:class:`BidirectionalAttention`
+subclasses its :class:`~mhmoe.model.lm.Attention`), RMSNorm, FFN layers, initialisation and
+aux-loss-free balancing step. BEiT-3 differs in two places, both deliberate: one tied softmax over
+the joint vocabulary (BEiT-3 has a vision and a language head; a single head makes the masked
+perplexity of both modalities comparable across models with one number), and RoPE plus learned
+modality and patch row/column embeddings in place of BEiT-3's learned absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhmoe.config.model import ModelConfig
+from mhmoe.config.moe import MoEConfig
+from mhmoe.errors import ConfigError
+from mhmoe.model.lm import LM, Attention, RMSNorm, apply_rope, rope_tables
+from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
+
+N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)
+
+
+@dataclass
+class EncoderOutput:
+    """logits [B, T, V]; loss = mean cross-entropy over the masked positions (None without targets);
+    aux_loss = summed weighted router losses of all MoE layers (0-dim fp32); routing = one
+    RoutingStats per MoE layer; layer_outputs = full routing decisions when return_routing=True."""
+
+    logits: Tensor
+    loss: Tensor | None
+    aux_loss: Tensor
+    routing: list[RoutingStats] = field(default_factory=list)
+    layer_outputs: list[FFNOutput] | None = None
+
+    @property
+    def total_loss(self) -> Tensor:
+        assert self.loss is not None, "no targets were given"
+        return self.loss + self.aux_loss
+
+
+class BidirectionalAttention(Attention):
+    """The decoder's attention (qkv/output projections, RoPE, BitNet sub-norm) without the causal mask:
+    every query attends to every key that is not padding."""
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """x [B, T, D]; cos/sin [T, HD/2]; key_mask [B, T] bool (False = padding, never attended to)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None if key_mask is None else key_mask[:, None, None, :].bool()  # [B, 1, 1, T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm block: bidirectional attention, then the dense or (MH-)MoE FFN on the real positions."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_moe = cfg.is_moe_block(index)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = BidirectionalAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std,
+                                                        quant=cfg.quant)
+        self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> tuple[Tensor, FFNOutput]:
+        """x [B, T, D]; mask [B, T] bool (True = real position) for attention keys and routing."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        f = self.ffn(self.ffn_norm(x), mask)
+        return x + f.out, f
+
+
+class Encoder(nn.Module):
+    """The masked-data encoder. forward(input_ids [B, T], modality, patch_pos, attention_mask, targets,
+    loss_mask) -> :class:`EncoderOutput` (see :meth:`forward`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.arch != "encoder":
+            raise ConfigError("model.arch", cfg.arch, "encoder for mhmoe.model.encoder.Encoder")
+        if cfg.vocab_size < 1:
+            raise ConfigError("vocab_size", cfg.vocab_size, "an integer >= 1 (set it from the data's vocabulary)")
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.modality_embed = nn.Embedding(N_MODALITIES, d)
+        # patch grid coordinates are below the sequence length, so max_seq_len rows always suffice
+        self.patch_row = nn.Embedding(cfg.max_seq_len, d)
+        self.patch_col = nn.Embedding(cfg.max_seq_len, d)
+        self.blocks = nn.ModuleList(EncoderBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.max_seq_len, d // cfg.n_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The decoder's scheme (:meth:`mhmoe.model.lm.LM.reset_parameters`: N(0, init_std), output
+        projections scaled by 1/sqrt(2 L), MH-MoE projections Xavier) and N(0, init_std) for the
+        modality and patch-position tables."""
+        LM.reset_parameters(self)  # type: ignore[arg-type]  (same attribute names: embed, lm_head, blocks)
+        for table in (self.modality_embed, self.patch_row, self.patch_col):
+            nn.init.normal_(table.weight, std=self.cfg.init_std)
+
+    def embed_inputs(self, input_ids: Tensor, modality: Tensor, patch_pos: Tensor) -> Tensor:
+        """Token + modality embeddings, plus row and column embeddings on image patches: [B, T, D].
+        Row gathers (index_select) as in the decoder: no host sync in their CUDA backward."""
+        B, T = input_ids.shape
+
+        def rows(table: nn.Embedding, idx: Tensor) -> Tensor:
+            return table.weight.index_select(0, idx.reshape(-1)).view(B, T, -1)
+
+        x = rows(self.embed, input_ids) + rows(self.modality_embed, modality)
+        is_patch = (patch_pos[..., 0] >= 0).unsqueeze(-1)  # [B, T, 1]
+        grid = patch_pos.clamp_min(0)
+        pos = rows(self.patch_row, grid[..., 0]) + rows(self.patch_col, grid[..., 1])
+        return x + pos * is_patch.to(pos.dtype)
+
+    def forward(self, input_ids: Tensor, modality: Tensor | None = None, patch_pos: Tensor | None = None,
+                attention_mask: Tensor | None = None, targets: Tensor | None = None, loss_mask: Tensor | None = None,
+                return_routing: bool = False) -> EncoderOutput:
+        """input_ids/modality/attention_mask/targets/loss_mask [B, T]; patch_pos [B, T, 2] (grid row and
+        column of image patches, -1 elsewhere). Defaults: text everywhere, no patches, no padding, and
+        the loss over every real position. ``loss`` = mean cross-entropy over ``loss_mask`` (fp32)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"invalid input_ids shape {tuple(input_ids.shape)}: allowed [B, T]")
+        B, T = input_ids.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if modality is None:
+            modality = torch.zeros_like(input_ids)
+        if patch_pos is None:
+            patch_pos = torch.full((B, T, 2), -1, dtype=torch.long, device=input_ids.device)
+        x = self.embed_inputs(input_ids, modality, patch_pos)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        aux = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        routing: list[RoutingStats] = []
+        outputs: list[FFNOutput] = []
+        for block in self.blocks:
+            x, f = block(x, cos, sin, attention_mask)
+            if block.is_moe:
+                aux = aux + f.aux_loss
+                if f.stats is not None:
+                    routing.append(f.stats)
+                if return_routing:
+                    outputs.append(f)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            keep = loss_mask if loss_mask is not None else attention_mask
+            tgt = targets if keep is None else targets.masked_fill(~keep.bool(), -100)  # no host sync
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+        return EncoderOutput(logits, loss, aux, routing, outputs if return_routing else None)
+
+    @torch.no_grad()
+    def balance_step(self, routing: list[RoutingStats], apply: Tensor | None = None) -> None:
+        """Aux-loss-free balancing, as :meth:`mhmoe.model.lm.LM.balance_step`."""
+        LM.balance_step(self, routing, apply)  # type: ignore[arg-type]
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embeddings else n
