@@ -63,7 +63,7 @@ def _wrong_types(kind: str, rng: random.Random) -> list:
     pool = {"str": _word(rng), "list": [rng.randint(0, 9)], "map": {_word(rng): rng.randint(0, 9)}, "bool": True,
             "null": None, "float": rng.uniform(-1e6, 1e6) + 0.25, "int": rng.randint(2, 10**6)}
     excluded = {"int": {"int"}, "float": {"int", "float"}, "float | None": {"int", "float", "null"},
-                "bool": {"bool"}, "str": {"str"}, "tuple[str, ...]": {"str", "list"}}[kind]
+                "bool": {"bool"}, "bool | None": {"bool", "null"}, "str": {"str"}, "tuple[str, ...]": {"str", "list"}}[kind]
     return [v for k, v in pool.items() if k not in excluded]
 
 
@@ -104,7 +104,7 @@ def _one_line_naming(err: str, field: str, where: str) -> None:
 def test_schema_is_complete():
     """Every declared type is one the generators know (a new field type must get wrong values too)."""
     kinds = {k for _, k in schema()}
-    assert kinds <= {"int", "float", "float | None", "bool", "str", "tuple[str, ...]"}, kinds
+    assert kinds <= {"int", "float", "float | None", "bool", "bool | None", "str", "tuple[str, ...]"}, kinds
     assert len(schema()) > 80
 
 

@@ -47,9 +47,10 @@ def _add_analyze(sub) -> None:
                        description="Route held-out text through a checkpoint and write activation.png/csv, "
                        "diversity.png/csv and summary.json into RUN/analysis/; or, with --suite, analyse every "
                        "MoE run of a reproduce/compare directory beside uniformly random routing.")
-    p.add_argument("--checkpoint", metavar="RUN", help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", metavar="RUN", help="run directory or checkpoint directory (this or --suite; "
+                   "default: none)")
     p.add_argument("--suite", metavar="DIR", help="a `mhmoe reproduce` directory: analyse every MoE run, write "
-                   "DIR/analysis.json (mean ± std over seeds beside random routing)")
+                   "DIR/analysis.json (mean ± std over seeds beside random routing; default: none)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: RUN/analysis, in the run directory "
                    "even when a checkpoint directory is given)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")

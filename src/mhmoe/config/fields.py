@@ -25,8 +25,8 @@ def is_number(value: object) -> bool:
 def check_types(obj: Any, prefix: str) -> None:
     """Check every field of dataclass ``obj`` against its declared type before any range check runs:
     ``int`` (not a bool, within int64), ``float`` (an int or a float, finite), ``float | None``,
-    ``bool``, ``str``. Other annotations (nested configs, tuples) are left to the class. The error
-    names ``prefix + field``."""
+    ``bool``, ``bool | None`` (None: decided from other fields), ``str``. Other annotations (nested
+    configs, tuples) are left to the class. The error names ``prefix + field``."""
     for f in fields(obj):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
         v, name = getattr(obj, f.name), prefix + f.name
@@ -38,6 +38,8 @@ def check_types(obj: Any, prefix: str) -> None:
             check(v is None or is_number(v), name, v, "null or a finite number")
         elif kind == "bool":
             check(isinstance(v, bool), name, v, "true | false")
+        elif kind in ("bool | None", "Optional[bool]"):
+            check(v is None or isinstance(v, bool), name, v, "null (auto) | true | false")
         elif kind == "str":
             check(isinstance(v, str), name, v, "a string")
 
