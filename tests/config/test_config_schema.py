@@ -63,7 +63,8 @@ def _wrong_types(kind: str, rng: random.Random) -> list:
     pool = {"str": _word(rng), "list": [rng.randint(0, 9)], "map": {_word(rng): rng.randint(0, 9)}, "bool": True,
             "null": None, "float": rng.uniform(-1e6, 1e6) + 0.25, "int": rng.randint(2, 10**6)}
     excluded = {"int": {"int"}, "float": {"int", "float"}, "float | None": {"int", "float", "null"},
-                "bool": {"bool"}, "bool | None": {"bool", "null"}, "str": {"str"}, "tuple[str, ...]": {"str", "list"}}[kind]
+                "bool": {"bool"}, "bool | None": {"bool", "null"}, "str": {"str"},
+                "tuple[str, ...]": {"str", "list"}}[kind]
     return [v for k, v in pool.items() if k not in excluded]
 
 
