@@ -241,6 +241,22 @@ def test_resume_keeps_the_runs_steps_and_name(trained, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("tiny-test: step 5 ")
 
 
+@pytest.mark.parametrize("flags, field", [(["--lr", "0.5"], "train.lr"), (["--batch-size", "3"], "train.batch_size"),
+                                          (["--set", "model.moe.top_k=1"], "model.moe.top_k")])
+def test_resume_refuses_overrides_it_cannot_honour(trained, capsys, flags, field):
+    """--resume keeps the run's config: a flag or --set that would change it is refused in one line, not
+    silently ignored; the same value, and the launch properties, are accepted."""
+    before = _snapshot(trained)
+    capsys.readouterr()
+    argv = ["train", "--preset", "tiny-dense", "--out", str(trained), "--resume", "--no-progress"]
+    assert main(argv + flags) == 2
+    err = _one_line(capsys, "mhmoe train: error:")
+    assert field in err and "--resume" in err and "new --out" in err
+    assert _snapshot(trained) == before  # nothing trained, nothing written
+    saved = RunConfig.load(trained / "config.yaml")
+    assert main(argv + ["--lr", str(saved.train.lr), "--max-steps", "5", "--set", "train.threads=1"]) == 0
+
+
 def test_compare_refuses_to_reuse_runs_trained_with_other_settings(tmp_path, capsys):
     corpus = tiny_run(tmp_path, MHMOE).data.corpus
     sets = ["train.batch_size=2", "train.seq_len=16", "train.eval_batches=1", "train.warmup_steps=0",

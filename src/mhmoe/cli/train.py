@@ -51,6 +51,33 @@ def _launch_fields(args: argparse.Namespace) -> tuple[str, ...]:
     return LAUNCH_FIELDS if given else tuple(f for f in LAUNCH_FIELDS if f != "max_steps")
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def refuse_unhonoured_resume_overrides(args: argparse.Namespace, run, launch_fields: tuple[str, ...]) -> None:
+    """``--resume`` continues a run with its own config: a flag or ``--set`` given on this command for any
+    other field than the launch properties (``launch_fields`` of ``train``, ``data.cache_dir``) is refused
+    with a one-line ConfigError when it differs from the run's value (instead of being silently ignored)."""
+    from mhmoe.config.run import RunConfig
+
+    saved_file = Path(args.out) / "config.yaml"
+    if not getattr(args, "resume", False) or not saved_file.is_file():
+        return
+    taken = {f"train.{k}" for k in launch_fields} | {"data.cache_dir"}
+    given = [s.split("=", 1)[0].strip() for s in flag_overrides(args)]
+    saved, wanted = _flat(RunConfig.load(saved_file).to_dict()), _flat(run.to_dict())
+    for key in given:
+        if key not in taken and key in wanted and wanted[key] != saved.get(key):
+            launch = ", ".join(sorted(taken))
+            raise ConfigError(key, wanted[key], f"the run's own value {saved.get(key)!r}: --resume continues "
+                              f"{args.out} with its config (only {launch} come from this command); train into a "
+                              "new --out to change it")
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The settings people change every run, as flags (each maps onto one config field, see RUN_FLAGS)."""
     from mhmoe.config.train import DEVICES, DTYPES
@@ -88,7 +115,8 @@ def warn_slow_bf16(device: str, dtype: str) -> None:
 
 # ---- train -----------------------------------------------------------------------------------------
 RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with the run's own config (model, "
-               "data, optimizer, schedule); --max-steps, --parallel, --ep and train.threads come from this command. "
+               "data, optimizer, schedule); --max-steps, --parallel, --ep, train.threads and data.cache_dir come "
+               "from this command, and any other flag or --set that differs from the run's value is refused. "
                "Without --resume, an --out that holds checkpoints is refused")
 
 
@@ -116,6 +144,7 @@ def _run_train(args) -> int:
     run = _load_run(args)  # config errors before the (slow) torch.distributed import
     from mhmoe.parallel.launch import train_parallel as train
 
+    refuse_unhonoured_resume_overrides(args, run, _launch_fields(args))
     warn_slow_bf16(run.train.device, run.train.dtype)
     try:
         res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
