@@ -55,17 +55,12 @@ from mhmoe.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# docs rewritten on other branches; strict: once they follow the conventions this list must shrink
-NOT_YET_CONVERTED = {"RESULTS.md"}
 BLOCK_TIMEOUT_S = 600
 
 
 def _param(path: Path, convention: bool = False):
-    """A doc as a test parameter; ``convention``: a test of the conventions, expected (strictly) to fail on
-    the docs not converted yet."""
-    marks = [pytest.mark.xfail(strict=True, reason="not yet converted to the docs conventions")] \
-        if convention and path.name in NOT_YET_CONVERTED else []
-    return pytest.param(path, id=path.name, marks=marks)
+    """A doc as a test parameter (``convention``: a test of the conventions, which every doc follows)."""
+    return pytest.param(path, id=path.name)
 
 
 def _blocks(path: Path) -> list[Block]:
