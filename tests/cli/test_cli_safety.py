@@ -176,13 +176,29 @@ def test_signal_during_training_saves_and_exits(config, tmp_path, monkeypatch, c
     assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
 
 
+def _wait_until_importing_torch(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Until the child has mapped torch's library (on Linux; elsewhere 0.5 s): Python installs its SIGINT
+    handler before it imports anything, so a signal sent then is the interpreter's, not the default kill."""
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + timeout_s
+    if not maps.parent.exists():
+        time.sleep(0.5)
+        return
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if "libtorch" in maps.read_text():
+                return
+        except OSError:
+            pass
+        time.sleep(0.01)
+
+
 def test_ctrl_c_in_a_real_process_during_start_up(tmp_path, config):
     """A real `mhmoe train` process, Ctrl-C while it imports / prepares: one line, exit 130."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "mhmoe", "train", "--config", str(config), "--out",
                              str(tmp_path / "o"), "--no-progress"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # the interpreter is up (its SIGINT handler installed); torch is still importing
+    _wait_until_importing_torch(proc)  # the interpreter is up (its SIGINT handler installed), not yet training
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
