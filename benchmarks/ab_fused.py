@@ -1,11 +1,12 @@
-"""A/B two versions of ``mhmoe/fused.py`` on one MoE layer, in one process, alternating.
+"""A/B two versions of ``mhmoe/moe/dispatch/fused.py`` on one MoE layer, in one process, alternating.
 
 Each file is loaded as its own module; the layer's dispatch is pointed at each version's
 ``fused_moe`` in turn, every repeat runs both (round-robin), so machine drift hits both alike.
-For example, session 3's version against the working tree:
+For example, the committed version against the working tree:
 
-    git show 5d61d8d:src/mhmoe/fused.py > /tmp/fused_s3.py
-    MHMOE_MALLOC=tuned python benchmarks/ab_fused.py /tmp/fused_s3.py src/mhmoe/fused.py --config mh3 --dtype bfloat16
+    git show HEAD:src/mhmoe/moe/dispatch/fused.py > /tmp/fused_head.py
+    MHMOE_MALLOC=tuned python benchmarks/ab_fused.py /tmp/fused_head.py src/mhmoe/moe/dispatch/fused.py \
+        --config mh3 --dtype bfloat16
 """
 
 from __future__ import annotations

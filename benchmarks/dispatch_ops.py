@@ -4,8 +4,8 @@ At MH-MoE h=3 shapes (4,096 tokens -> S=12,288 sub-tokens of 256, top-3 over 96 
 36,864 routed rows), median of 20 after warm-up, 2 threads by default:
 
 - row gather by expert order, forward + backward: ``x[idx]`` vs ``x.index_select(0, idx)``;
-- combine ``out[s] = sum_k w[s,k] * y[slot(s,k)]``: gather + ``bmm`` (session 3's ``fused``),
-  scatter + weighted sum (session 3's ``sorted``), and one ``F.embedding_bag`` with
+- combine ``out[s] = sum_k w[s,k] * y[slot(s,k)]``: gather + ``bmm`` (the CUDA combine),
+  scatter + weighted sum, and one ``F.embedding_bag`` with
   ``per_sample_weights`` -- forward only, and forward + backward through autograd;
 - SwiGLU backward on one expert block [384, 512]: the 5 ATen ops of :mod:`mhmoe.moe.dispatch.fused` vs one
   ``torch.compile``d kernel (``--compile``; its compile time is printed).
