@@ -20,11 +20,11 @@ import pytest
 import torch
 from helpers import MHMOE, assert_same_run, records, tiny_run
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.data import BatchSampler
 from mhmoe.model.lm import LM
 from mhmoe.runtime.signals import Interrupted, StopRequests
 from mhmoe.train.checkpoint import load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import Trainer, train
 from mhmoe.train.metrics import MetricsWriter
 from mhmoe.train.parallelism import SingleProcess

@@ -14,12 +14,12 @@ import torch
 from helpers import MHMOE, SMOE, losses, records
 from mm_helpers import DIGITS_SEQ, XMOE_MH, mm_run
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model import Encoder
 from mhmoe.train.checkpoint import load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import train
 from mhmoe.train.tasks import LMTask, MaskedMultimodalTask, build_task, evaluate_checkpoint
 

@@ -103,8 +103,8 @@ def _run_convert(args) -> int:
 
     if args.to not in ("safetensors", "dcp"):
         raise ConfigError("--to", args.to, "safetensors | dcp")
-    from mhmoe.parallel.checkpoint import dcp_to_safetensors, safetensors_to_dcp
-    from mhmoe.train.checkpoint_format import CKPT_DIR
+    from mhmoe.checkpoint import CKPT_DIR
+    from mhmoe.train.checkpoint import dcp_to_safetensors, safetensors_to_dcp
     from mhmoe.train.lock import LOCK_FILE, RunDirLock
 
     target = Path(args.out)

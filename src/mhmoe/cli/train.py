@@ -208,7 +208,7 @@ def _run_eval(args) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    from mhmoe.train.pretrained import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+    from mhmoe.train.checkpoint import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 
     p = sub.add_parser("generate", help="sample text from a model (KV cache)",
                        description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
@@ -226,7 +226,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from mhmoe.train.pretrained import check_sampling, load
+    from mhmoe.train.checkpoint import check_sampling, load
 
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

@@ -31,8 +31,7 @@ from torch import Tensor, nn
 from mhmoe.data.multimodal import MODALITY_IMAGE, SPECIALS, MaskedMultimodalData
 from mhmoe.errors import ConfigError
 from mhmoe.research.analysis import collect_routing, summarize, write_report
-from mhmoe.train.checkpoint import load_checkpoint, load_latest
-from mhmoe.train.checkpoint_format import PREFIX, Checkpoint, list_checkpoints
+from mhmoe.train.checkpoint import PREFIX, Checkpoint, list_checkpoints, load_checkpoint, load_latest
 from mhmoe.train.tasks import MaskedMultimodalTask, build_task
 
 MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png: the oldest, the newest and one between

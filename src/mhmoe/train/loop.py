@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mhmoe.checkpoint import remove_stale_temporaries
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
@@ -45,7 +46,6 @@ from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
-from mhmoe.train.checkpoint_format import remove_stale_temporaries
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at

@@ -202,7 +202,7 @@ def build_task(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank: int 
 
 def evaluate_checkpoint(ck: Any, max_batches: int | None, device: torch.device | str,
                         dtype: str | None = None) -> dict[str, dict[str, float]]:
-    """Validation results of a loaded :class:`~mhmoe.train.checkpoint_format.Checkpoint` on its own
+    """Validation results of a loaded :class:`~mhmoe.train.checkpoint.Checkpoint` on its own
     task's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
     where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says."""
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))

@@ -13,7 +13,7 @@ import torch
 from mhmoe.errors import CheckpointError
 from mhmoe.integrations.hf.modeling_mhmoe import MHMoEForCausalLM
 from mhmoe.integrations.hf.tokenization import to_hf_tokenizer
-from mhmoe.train.checkpoint_format import Checkpoint
+from mhmoe.train.checkpoint import Checkpoint
 
 OUR_TOKENIZER_DIR = "mhmoe_tokenizer"  # our own tokenizer files, for mhmoe tools reading the export
 
