@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from mhmoe.data.multimodal import MODALITY_IMAGE, SPECIALS, MaskedMultimodalData
 from mhmoe.errors import ConfigError
 from mhmoe.research.analysis import collect_routing, summarize, write_report
+from mhmoe.runtime.files import atomic_write
 from mhmoe.train.checkpoint import PREFIX, Checkpoint, list_checkpoints, load_checkpoint, load_latest
 from mhmoe.train.tasks import MaskedMultimodalTask, build_task
 
@@ -151,10 +152,10 @@ def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batc
     experts = subtoken_experts(ck.model, data, shown, device)
     draw_fig8(out_dir, [data.image(i) for i in shown], [data.caption(i) for i in shown], maps, experts,
               ck.run.model.moe.n_experts, max_diversity=summary["max_possible_diversity"])
-    (Path(out_dir) / "fig8.json").write_text(json.dumps({
+    atomic_write(Path(out_dir) / "fig8.json", json.dumps({
         "images": shown, "captions": [data.caption(i) for i in shown], "grid": list(data.grid),
         "diversity": {str(s): np.round(m, 4).tolist() for s, m in maps.items()}, "experts": experts.tolist(),
-    }), encoding="utf-8")
+    }))
     summary["fig8"] = str(Path(out_dir) / "fig8.png")
     return summary
 
@@ -205,6 +206,6 @@ def draw_fig8(out_dir: str | Path, images: list[np.ndarray], captions: list[str]
             a.set_yticks([])
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.5, label="diversity: distinct experts per patch")
     path = Path(out_dir) / "fig8.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return path

@@ -44,6 +44,7 @@ from mhmoe.errors import ConfigError
 from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
+from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.lock import RunDirLock
@@ -209,7 +210,7 @@ class Trainer:
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.par.is_rank0:
-            (self.run_dir / "config.yaml").write_text(self.run_cfg.to_yaml(), encoding="utf-8")
+            atomic_write(self.run_dir / "config.yaml", self.run_cfg.to_yaml(), root=self.run_dir)
 
     def _restore(self) -> Progress:
         """Optimizer, scheduler, RNG and counters from the resume checkpoint (fresh counters without one)."""
@@ -389,5 +390,5 @@ class Trainer:
         summary = {"preset": self.run_cfg.name, "step": st.step, "params": res.params,
                    "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
                    "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.par.summary()}
-        (self.run_dir / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        atomic_write(self.run_dir / "results.json", json.dumps(summary, indent=2), root=self.run_dir)
         return res

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from mhmoe.errors import CheckpointError
 from mhmoe.integrations.hf.modeling_mhmoe import MHMoEForCausalLM
 from mhmoe.integrations.hf.tokenization import to_hf_tokenizer
+from mhmoe.runtime.files import publish_dir, staging_dir
 from mhmoe.train.checkpoint import Checkpoint
 
 OUR_TOKENIZER_DIR = "mhmoe_tokenizer"  # our own tokenizer files, for mhmoe tools reading the export
@@ -40,10 +40,7 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike[str]) -> HFExportReport:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists and is not an empty directory (refusing to overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with staging_dir(out) as tmp:  # a fresh hidden sibling (mhmoe.runtime.files), removed on failure
         model = MHMoEForCausalLM.from_lm(ck.model.float().cpu(), eos_token_id=ck.tokenizer.eos_id)
         model.save_pretrained(tmp, safe_serialization=True)
         to_hf_tokenizer(ck.tokenizer, model_max_length=ck.model.cfg.max_seq_len).save_pretrained(tmp)
@@ -54,10 +51,5 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike[str]) -> HFExportReport:
         with torch.no_grad():
             diff = float((reloaded(idx).logits - ck.model.eval()(idx).logits).abs().max())
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish_dir(tmp, out)  # fsync'd, renamed into place; a symlink at out is refused
     return HFExportReport(str(out), ck.step, sum(p.numel() for p in ck.model.parameters()), files, diff)
