@@ -150,7 +150,7 @@ def test_interrupt_during_data_preparation_is_one_line(config, tmp_path, monkeyp
         time.sleep(5)  # pragma: no cover -- never reached: the handler raises first
         raise AssertionError("SIGTERM was not delivered")
 
-    monkeypatch.setattr(loop, "build_task", prepare)
+    monkeypatch.setattr(loop, "build_objective", prepare)
     out = tmp_path / "out"
     assert main(["train", "--config", str(config), "--out", str(out), "--no-progress"]) == code
     err = _one_line(capsys, "mhmoe train: interrupted")

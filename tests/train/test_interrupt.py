@@ -44,7 +44,7 @@ def _pieces() -> dict[str, tuple[object, str]]:
         "clip": (SingleProcess, "finish_grads"),
         "optimizer": (SingleProcess, "optimizer_step"),
         "scheduler": (torch.optim.lr_scheduler.LambdaLR, "step"),
-        "settle": (Trainer, "settle"),
+        "count_skipped_steps": (Trainer, "count_skipped_steps"),
         "log": (MetricsWriter, "log"),
         "eval": (Trainer, "evaluate"),
         "save": (SingleProcess, "save_checkpoint"),

@@ -1,7 +1,7 @@
 """The ``mhmoe`` command line: one entry point, one module per command group.
 
 ``plan`` (plan, presets), ``train`` (train, eval, generate, compare), ``bench``, ``export`` (export,
-convert-checkpoint), ``research`` (reproduce, analyze), ``ecosystem`` (downstream, make-tasks and the
+convert-checkpoint), ``research`` (reproduce, analyze), ``integrations`` (downstream, make-tasks and the
 transformers / lm-eval handlers). Every module lists ``PARSER_BUILDERS``: functions that add a
 subcommand whose parser sets ``func``; the handlers turn the parsed arguments into typed configs and
 call the library with those only. Every option has a help text and ``--help`` shows its default
@@ -26,10 +26,10 @@ from mhmoe.runtime.signals import raise_on_sigterm
 
 def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Every command group's parser builders, in ``mhmoe --help`` order (heavy modules load per command)."""
-    from mhmoe.cli import bench, ecosystem, export, plan, research, train
+    from mhmoe.cli import bench, export, integrations, plan, research, train
 
     return (plan.PARSER_BUILDERS + train.PARSER_BUILDERS + bench.PARSER_BUILDERS + export.PARSER_BUILDERS
-            + research.PARSER_BUILDERS + ecosystem.PARSER_BUILDERS)
+            + research.PARSER_BUILDERS + integrations.PARSER_BUILDERS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

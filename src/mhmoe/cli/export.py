@@ -43,7 +43,7 @@ def _run_export(args) -> int:
     from mhmoe.train.checkpoint import load_latest
 
     if args.hf:
-        from mhmoe.cli.ecosystem import run_export_hf
+        from mhmoe.cli.integrations import run_export_hf
 
         return run_export_hf(args)
     if not args.bitnet:

@@ -33,7 +33,7 @@ from mhmoe.errors import ConfigError
 from mhmoe.research.analysis import collect_routing, summarize, write_report
 from mhmoe.runtime.files import atomic_write
 from mhmoe.train.checkpoint import PREFIX, Checkpoint, list_checkpoints, load_checkpoint, load_latest
-from mhmoe.train.tasks import MaskedMultimodalTask, build_task
+from mhmoe.train.objectives import MaskedMultimodalObjective, build_objective
 
 MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png: the oldest, the newest and one between
 
@@ -135,8 +135,8 @@ def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batc
     ck = load_latest(checkpoint, device)
     if ck.run.model.arch != "encoder":
         raise ConfigError("--checkpoint", str(checkpoint), "an encoder run (model.arch=encoder)")
-    task = build_task(ck.run, tokenizer=ck.tokenizer)
-    assert isinstance(task, MaskedMultimodalTask)
+    task = build_objective(ck.run, tokenizer=ck.tokenizer)
+    assert isinstance(task, MaskedMultimodalObjective)
     data, batch_size = task.data, ck.run.train.batch_size
     val = [int(i) for i in data.split_images["val"]]
     records, _ = diversity_maps(ck.model, data, val[:batches * batch_size], batch_size, device)
