@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import save_file
 
-from mhmoe.checkpoint import check_links, is_checkpoint_dir, newest_valid, open_checkpoint
-from mhmoe.checkpoint.read import read_safetensors
+from mhmoe.checkpoint.format import check_links, is_checkpoint_dir, newest_valid
+from mhmoe.checkpoint.read import open_checkpoint, read_safetensors
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
 from mhmoe.runtime.files import atomic_write, publish_dir, staging_dir
