@@ -58,6 +58,8 @@ from mhmoe.train.plots import update_run_plot
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
 LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
 LAUNCH_DATA_FIELDS = ("cache_dir",)  # where this machine caches tokens: never a checkpoint's choice
+#: the logs of a run: a new run refuses an --out that holds any of them (they would be replaced)
+RUN_LOGS = ("metrics.jsonl", "eval.jsonl", "results.json")
 
 
 @dataclass
@@ -182,6 +184,11 @@ class Trainer:
         if has_ckpt and not resume:
             raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
                                                           "continue)")
+        logs = [n for n in RUN_LOGS if os.path.lexists(self.run_dir / n)]
+        if not has_ckpt and logs and not resume:
+            raise ConfigError("--out", str(self.run_dir), f"a new directory (it holds {logs[0]} of an earlier run and "
+                                                          "no checkpoint: pass --resume to train that run again from "
+                                                          "step 0, or choose another --out)")
         if not has_ckpt:
             if resume and self.parallelism.is_rank0:
                 print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting from step 0", file=sys.stderr)
