@@ -87,9 +87,9 @@ def shared_chunks_metadata(items: int = 20_000, chunks: int = 20_000) -> bytes:
 def aliased_chunks_metadata(md, copies: int):
     """``md`` (a real DCP Metadata of one tensor ``t``) with ``copies`` more tensors whose storage entries
     all point at ``t``'s bytes: full tensors of ``copies`` times the data file's size."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    (fqn, tsm), = [(k, v) for k, v in md.state_dict_metadata.items()]
+    (fqn, tsm), = [(k, v) for k, v in md.state_dict_metadata.items() if type(v) is TensorStorageMetadata]
     infos = {k.offset: v for k, v in md.storage_data.items() if k.fqn == fqn}
     for i in range(copies):
         name = f"{fqn}_alias{i}"
@@ -97,7 +97,7 @@ def aliased_chunks_metadata(md, copies: int):
         for c in tsm.chunks:
             md.storage_data[MetadataIndex(name, c.offsets)] = infos[c.offsets]
         if md.planner_data is not None:
-            md.planner_data[name] = (name,)
+            md.planner_data[name] = (*md.planner_data[fqn][:-1], name.rsplit(".", 1)[-1])
     return md
 
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from mhmoe.checkpoint import remove_stale_temporaries
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, TrainingStopped
 from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
@@ -279,8 +279,9 @@ class Trainer:
                 print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
                       f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
             if self.nan_run > self.train_config.max_nan_skips:
-                raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} (train."
-                                   f"max_nan_skips={self.train_config.max_nan_skips}); lower train.lr or use float32")
+                limit = self.train_config.max_nan_skips
+                raise TrainingStopped(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
+                                      f"(train.max_nan_skips={limit}); lower train.lr or use float32")
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
@@ -386,8 +387,9 @@ class Trainer:
         st, res = self.state, self.result
         ran = st.step - self.start
         if ran and st.nan_total - self.nan_at_start >= ran:
-            raise RuntimeError(f"stopping: all {ran} steps were skipped as non-finite (last step {st.step}); nothing "
-                               "saved: lower train.lr, check the config (e.g. model.norm_eps) or use float32")
+            raise TrainingStopped(f"stopping: all {ran} steps were skipped as non-finite (last step {st.step}); "
+                                  "nothing saved: lower train.lr, check the config (e.g. model.norm_eps) or use "
+                                  "float32")
         if st.step > self.start or not list_checkpoints(self.run_dir):
             self.save()
         self.stop_if_requested()  # before the final evaluation (the checkpoint is on disk)
