@@ -24,18 +24,20 @@ CPU_LIMIT_S = 60
 
 
 # ---- YAML -------------------------------------------------------------------------------------------------
-def billion_laughs(levels: int = 9, width: int = 9, nested_in: str = "model") -> str:
-    """``a: &a ["lol", ...]``, each level an alias list of the previous: width**levels values, ~1 KB."""
-    lines = [f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+def billion_laughs(levels: int = 9, width: int = 9) -> str:
+    """``name:`` a list of anchored lists, each level ``width`` aliases of the previous one: width**levels
+    values in ~1 KB. The run's ``name`` must be a string, so an unbounded reader ``repr``'s the whole
+    expansion into its error message."""
+    lines = ["name:", f"  - &l0 [{', '.join(['lol'] * width)}]"]
     for i in range(1, levels + 1):
-        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
-    lines.append(f"{nested_in}: {{d_model: *l{levels}}}")
+        lines.append(f"  - &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
     return "\n".join(lines) + "\n"
 
 
-def deep_yaml(depth: int = 200_000) -> str:
-    """Block mappings nested ``depth`` deep (``a:\\n  a:\\n    a: ...``) as a one-line flow: ``{a: {a: ...}}``."""
-    return "model: " + "{a: " * depth + "1" + "}" * depth + "\n"
+def deep_yaml(depth: int = 100_000) -> str:
+    """Sequences nested ``depth`` deep in one line (``- - - ... 1``): the loader's composer recurses once
+    per level."""
+    return "- " * depth + "1\n"
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------
