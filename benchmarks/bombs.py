@@ -97,6 +97,8 @@ def build(root: Path) -> list[tuple[str, str, list[str]]]:
         (big / ".metadata").write_bytes(pickle.dumps(md))
 
     dcp_case("dcp-aliased-chunks", "8 MB of data, 101 tensors whose chunks all point at it", aliased)
+    dcp_case("torch-deep-key", "0.3 MB trainer_state.pt: a dict key nested 300,000 deep",
+             lambda ck: (ck / "trainer_state.pt").write_bytes(bombs.torch_archive(bombs.deep_tuple_key(300_000))))
     dcp_case("json-deep-meta", "200 KB meta.json nested 100,000 deep", lambda ck: None)
     (root / "json-deep-meta" / "checkpoints" / base.name / "meta.json").write_text(bombs.deep_json())  # after _rehash
     return cases

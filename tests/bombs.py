@@ -9,11 +9,11 @@ import io
 import json
 import os
 import pickle
-import resource
+import signal
 import struct
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +55,21 @@ def deep_tuple_key(depth: int = 3_000_000) -> bytes:
     """A dict whose key is a tuple nested ``depth`` deep: hashing it recurses in C without a limit."""
     return (pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + pickle.TUPLE1 * depth
             + pickle.NONE + pickle.SETITEM + pickle.STOP)
+
+
+def torch_archive(data_pkl: bytes) -> bytes:
+    """A ``torch.save`` zip archive whose pickle is ``data_pkl`` (what torch.load(weights_only=True) reads)."""
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"step": 1}, buf)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for item in src.infolist():
+            z.writestr(item, data_pkl if item.filename.endswith("/data.pkl") else src.read(item.filename))
+    return out.getvalue()
 
 
 def repeated_path(chars: int = 1 << 20, repeats: int = 1000) -> bytes:
@@ -113,10 +128,22 @@ class Outcome:
     seconds: float
 
 
-def _limits(memory: int, cpu_s: int) -> None:  # in the child, before it runs anything
+# A small launcher process forks the measured child: a child forked from a large parent (pytest with torch
+# imported) inherits its resident size in ru_maxrss, even across exec; forked from the launcher, the
+# child's peak RSS is its own. The launcher sets the limits in the child and writes its wait4 result.
+_LAUNCHER = """
+import json, os, resource, sys
+memory, cpu_s, result = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid = os.fork()
+if pid == 0:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[4]])
+_, status, usage = os.wait4(pid, 0)
+with open(result, "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "max_rss_kb": usage.ru_maxrss}, f)
+"""
 
 
 def run_limited(code: str, *, memory: int = MEMORY_LIMIT, cpu_s: int = CPU_LIMIT_S, timeout: float = 120,
@@ -124,27 +151,20 @@ def run_limited(code: str, *, memory: int = MEMORY_LIMIT, cpu_s: int = CPU_LIMIT
     """Run ``code`` (Python) in a child under RLIMIT_AS = ``memory`` and RLIMIT_CPU = ``cpu_s``, with
     ``src`` (default: this checkout's ``src``) first on the path; its exit, output, peak RSS and wall time."""
     child_env = {**os.environ, **(env or {}), "PYTHONPATH": str(src or ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env, preexec_fn=lambda: _limits(memory, cpu_s))
-    streams: dict[str, bytes] = {}
-    readers = [threading.Thread(target=lambda n=n, f=f: streams.__setitem__(n, f.read()), daemon=True)
-               for n, f in (("out", proc.stdout), ("err", proc.stderr))]
-    for r in readers:
-        r.start()
-    while True:  # os.wait4, not Popen.wait: the child's own resource usage (peak RSS)
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() - t0 > timeout:
-            proc.kill()
-        time.sleep(0.02)
-    seconds = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    for r in readers:
-        r.join()
-    return Outcome(proc.returncode, streams.get("err", b"").decode("utf-8", "replace"),
-                   streams.get("out", b"").decode("utf-8", "replace"), usage.ru_maxrss / 1024, seconds)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(memory), str(cpu_s), str(result), code],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env,
+                                start_new_session=True)  # its own process group: a timeout ends both processes
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        seconds = time.perf_counter() - t0
+        rec = json.loads(result.read_text()) if result.exists() else {"status": -9, "max_rss_kb": float("nan")}
+    return Outcome(rec["status"], err, out, rec["max_rss_kb"] / 1024, seconds)
 
 
 def cli(args: list[str]) -> str:

@@ -14,12 +14,14 @@ from bombs import billion_laughs, deep_json, run_limited
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import MAX_CHARS, ConfigError
 from mhmoe.runtime.bounded import (
+    MAX_PICKLE_DEPTH,
     MAX_YAML_CHARS,
     MAX_YAML_DEPTH,
     MAX_YAML_NODES,
     BoundedLoadError,
     load_json,
     load_yaml,
+    pickle_depth,
 )
 
 LIGHT_MB = 200  # a child that imports only mhmoe.config: ~25 MB of RSS; a bomb that expands needs far more
@@ -112,3 +114,20 @@ def test_deep_json_in_a_jsonl_corpus_and_a_lock_file_never_escapes(tmp_path):
     with pytest.raises(ValueError) as info:
         load_jsonl(rows, "text")
     _one_bounded_line(str(info.value), f"{rows}:2")
+
+
+def test_pickle_depth_follows_the_objects_a_pickle_builds():
+    import pickle
+
+    shared = (1, (2, (3,)))
+    assert pickle_depth(pickle.dumps({"a": [shared, shared], "b": list(range(10_000))})) == 5  # dict>list>3 tuples
+    assert pickle_depth(pickle.dumps(list(range(100_000)))) == 1  # batched APPENDS grow one list in place
+    deep: object = 0
+    for _ in range(MAX_PICKLE_DEPTH + 1):
+        deep = (deep,)
+    with pytest.raises(ValueError, match=f"deeper than {MAX_PICKLE_DEPTH}"):
+        pickle_depth(pickle.dumps(deep))
+    from bombs import deep_tuple_key
+
+    with pytest.raises(ValueError, match="deeper"):
+        pickle_depth(deep_tuple_key(3_000_000))  # linear: refused at level 65 of 3,000,000

@@ -29,6 +29,7 @@ from torch.futures import Future
 from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, check_file_name, check_metadata, error, fail, read_metadata
 from mhmoe.checkpoint.format import DCP_DIR
 from mhmoe.errors import CheckpointError, one_line
+from mhmoe.runtime.bounded import check_torch_archive
 
 __all__ = ["DCP_DIR", "SafeFileSystemReader", "load_item", "read_dcp", "read_dcp_full"]
 
@@ -68,6 +69,7 @@ def load_item(stream: Any, where: str) -> Any:
     """One DCP item (a ``torch.save`` archive) with ``torch.load(weights_only=True)``: tensors and plain
     values only; anything else raises CheckpointError."""
     try:
+        check_torch_archive(stream, where)  # nesting first (mhmoe.runtime.bounded)
         return torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- torch raises UnpicklingError, RuntimeError, ...
         raise error(f"{where}: refused DCP item ({exc.__class__.__name__}: {one_line(exc)})") from None

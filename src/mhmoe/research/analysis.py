@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.files import atomic_write, make_dirs
 
 
 def activation_frequency(experts: Tensor, valid: Tensor, n_experts: int, n_tokens: int) -> Tensor:
@@ -185,8 +185,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(out_dir, root=Path(out_dir).parent)  # RUN/analysis: refused if it is a symlink
     freq: Tensor = summary.pop("frequency")
     div: Tensor = summary.pop("diversity")
     buf = io.StringIO(newline="")

@@ -20,6 +20,7 @@ from mhmoe.research.report import write_suite_report
 from mhmoe.research.reproduce import _check_same_run as check_same_run
 from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.console import is_rank0
+from mhmoe.runtime.files import make_dirs
 
 DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")
 
@@ -52,7 +53,9 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
         else:
             print(f"[{name} seed {seed}] training {run.train.max_steps} steps x {run.train.tokens_per_step:,} tokens",
                   file=sys.stderr)
-            train_parallel(run, run_dir, resume=run_dir.is_dir(), progress=progress)  # ours: continue it
+            resume = run_dir.is_dir()  # ours: continue it
+            make_dirs(run_dir, root=out)  # a symlinked model or seed directory in --out is refused
+            train_parallel(run, run_dir, resume=resume, progress=progress)
         if not is_rank0():  # torchrun: rank 0 reports
             continue
         runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **load_json(done.read_text(), str(done))})

@@ -16,6 +16,11 @@ config, a run, checkpoint or export directory, a ``.lock`` or a ``.jsonl`` data 
 * :func:`load_json`: at most ``max_chars`` characters; nesting deeper than the interpreter allows
   (``json``'s C decoder stops at the recursion limit, about 1000 levels) is refused instead of escaping
   as a ``RecursionError``.
+* :func:`check_torch_archive`: before ``torch.load(weights_only=True)`` reads a ``torch.save`` archive
+  (``trainer_state.pt``, a DCP item), its pickle is walked once, opcode by opcode, with a shadow stack
+  of nesting depths: containers nested deeper than :data:`MAX_PICKLE_DEPTH` are refused. (torch's
+  allow-list unpickler builds tuples of any depth, and hashing one used as a dict key recurses in C
+  until the interpreter crashes.)
 
 Errors are :class:`BoundedLoadError` (a ``ValueError``: exit status 2 in the CLI) with a message of at
 most :data:`mhmoe.errors.MAX_CHARS` characters that names the file; no value from the file is embedded
@@ -25,7 +30,9 @@ beyond a short, cut excerpt.
 from __future__ import annotations
 
 import json
-from typing import Any
+import pickletools
+import zipfile
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -35,6 +42,8 @@ MAX_YAML_CHARS = 1 << 20  # a run config is ~3 KB
 MAX_YAML_DEPTH = 32  # run configs nest 3 deep (model.moe.top_k)
 MAX_YAML_NODES = 100_000  # scalars + collections, aliases expanded
 MAX_JSON_CHARS = 64 << 20  # meta.json of a checkpoint with many files, an HF config.json, a tokenizer's meta
+MAX_PICKLE_DEPTH = 64  # nesting of a torch.save pickle (a trainer state or an optimizer state nests ~6 deep)
+MAX_PICKLE_BYTES = 256 << 20  # the pickle of a torch.save archive (its tensors are separate records)
 
 _Base: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser where libyaml is installed
 _MERGE = "tag:yaml.org,2002:merge"
@@ -128,3 +137,89 @@ def load_json(text: str | bytes, where: str = "JSON", max_chars: int = MAX_JSON_
         raise _refuse(where, "JSON nested too deeply (more levels than the interpreter's recursion limit)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise _refuse(where, f"invalid JSON ({exc.__class__.__name__}: {one_line(exc, 120)})") from None
+
+
+_IN_PLACE = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
+
+
+def pickle_depth(data: bytes, limit: int = MAX_PICKLE_DEPTH) -> int:
+    """The container nesting depth a pickle builds, found without building anything: one linear pass
+    over its opcodes (``pickletools.genops``) with a stack of depths in place of objects. ValueError
+    past ``limit`` (or for a malformed pickle)."""
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[Any, int] = {}
+    deepest = 0
+    for op, arg, _ in pickletools.genops(data):
+        name, before = op.name, op.stack_before
+        if name == "MARK":
+            marks.append(len(stack))
+            continue
+        if name in _MEMO_PUT:
+            memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1] if stack else 0
+            continue
+        if name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, 0))
+            continue
+        if name == "DUP":
+            stack.append(stack[-1] if stack else 0)
+            continue
+        popped: list[int] = []
+        if pickletools.markobject in before:
+            if not marks:
+                raise ValueError("pickle: MARK missing")
+            m = marks.pop()
+            popped, stack = stack[m:], stack[:m]
+            below = before.index(pickletools.markobject)
+        else:
+            below = len(before)
+        under = [stack.pop() if stack else 0 for _ in range(below)][::-1]
+        if not op.stack_after:
+            continue
+        if name in _IN_PLACE:  # the container below the items, grown in place
+            container, items = (under[0] if under else 0), under[1:] + popped
+            depth = max([container] + [1 + d for d in items])
+        elif under or popped:
+            depth = 1 + max(under + popped)
+        else:
+            depth = 1 if name.startswith("EMPTY_") else 0
+        if depth > limit:
+            raise ValueError(f"containers nested deeper than {limit} levels")
+        deepest = max(deepest, depth)
+        stack.extend([depth] * len(op.stack_after))
+    return deepest
+
+
+def check_torch_archive(stream: BinaryIO, where: str) -> None:
+    """Refuse a ``torch.save`` archive whose pickle nests deeper than :data:`MAX_PICKLE_DEPTH` (or is
+    not a zip archive with one ``data.pkl`` of at most :data:`MAX_PICKLE_BYTES`); ``stream`` is left at
+    its start. BoundedLoadError naming ``where``."""
+    try:
+        with zipfile.ZipFile(stream) as z:
+            names = [i for i in z.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(names) != 1:
+                raise ValueError("not a torch.save archive (no single data.pkl)")
+            if names[0].file_size > MAX_PICKLE_BYTES:
+                raise ValueError(f"a pickle of {names[0].file_size:,} bytes, more than {MAX_PICKLE_BYTES:,}")
+            pickle_depth(z.read(names[0]))
+    except (ValueError, zipfile.BadZipFile, EOFError, KeyError, OSError, RecursionError) as exc:
+        raise _refuse(where, f"refused ({one_line(exc, 160)})") from None
+    finally:
+        stream.seek(0)
+
+
+def open_checked_torch_archive(path: Any, where: str | None = None) -> BinaryIO:
+    """``path`` opened for ``torch.load`` after :func:`check_torch_archive` (the caller closes it)."""
+    f = open(path, "rb")  # noqa: SIM115 -- returned open
+    try:
+        check_torch_archive(f, where or str(path))
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+__all__ = ["MAX_JSON_CHARS", "MAX_PICKLE_DEPTH", "MAX_YAML_CHARS", "MAX_YAML_DEPTH", "MAX_YAML_NODES",
+           "BoundedLoadError", "check_torch_archive", "load_json", "load_yaml", "open_checked_torch_archive",
+           "pickle_depth"]

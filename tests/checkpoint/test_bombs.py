@@ -1,5 +1,6 @@
-"""The restricted DCP reader against resource bombs: a crafted ``.metadata`` of a few MB must not
-crash the interpreter, allocate gigabytes or take minutes (``mhmoe.checkpoint.dcp_metadata`` limits).
+"""Checkpoint readers against resource bombs: a crafted ``.metadata``, ``trainer_state.pt`` or DCP item of
+a few MB must not crash the interpreter, allocate gigabytes or take minutes (the limits of
+``mhmoe.checkpoint.dcp_metadata`` and ``mhmoe.runtime.bounded.check_torch_archive``).
 
 Each bomb runs in a child process under RLIMIT_AS / RLIMIT_CPU (``tests/bombs.py``); the assertions are
 the outcome (refused with one bounded line naming the file), the child's peak memory and its time.
@@ -15,7 +16,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from bombs import aliased_chunks_metadata, deep_tuple_key, repeated_path, run_limited, shared_chunks_metadata
+from bombs import (
+    aliased_chunks_metadata,
+    deep_tuple_key,
+    repeated_path,
+    run_limited,
+    shared_chunks_metadata,
+    torch_archive,
+)
 
 from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, read_metadata
 from mhmoe.checkpoint.dcp_reader import read_dcp_full
@@ -119,3 +127,34 @@ def test_limits_leave_room_for_real_metadata(tmp_path):
     path.write_bytes(pickle.dumps(Metadata(sdm, planner_data={k: (k,) * 65 for k in sdm}, storage_data=storage)))
     with pytest.raises(CheckpointError, match="key path of at most 64 parts"):
         read_metadata(path)
+
+
+def test_a_trainer_state_with_a_deep_key_is_refused_not_a_crash(tmp_path):
+    """torch.load(weights_only=True) builds a 300,000-deep tuple key and crashes hashing it (SIGSEGV):
+    the archive's pickle is walked first and refused; the checkpoint falls back like a damaged one."""
+    import json
+
+    from mhmoe.checkpoint import save_checkpoint
+    from mhmoe.config.model import ModelConfig
+    from mhmoe.config.run import RunConfig
+    from mhmoe.config.train import TrainConfig
+    from mhmoe.data.tokenizer import ByteTokenizer
+    from mhmoe.model.lm import LM
+
+    cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=4, d_ff=32, max_seq_len=16)
+    run = RunConfig(model=cfg, train=TrainConfig(seq_len=16))
+    ck = save_checkpoint(tmp_path / "run", 1, LM(cfg), run, ByteTokenizer(), {"step": 1})
+    bomb = torch_archive(deep_tuple_key(300_000))
+    (ck / "trainer_state.pt").write_bytes(bomb)
+    meta = json.loads((ck / "meta.json").read_text())
+    import hashlib
+
+    meta["files"]["trainer_state.pt"] = {"sha256": hashlib.sha256(bomb).hexdigest(), "bytes": len(bomb)}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    code = ("from mhmoe.train.checkpoint import load_checkpoint\nfrom mhmoe.errors import CheckpointError\n"
+            f"try:\n    load_checkpoint({str(ck)!r})\nexcept CheckpointError as e:\n    print(e)\n")
+    out = run_limited(code, memory=2 << 30, cpu_s=60)
+    msg = out.stdout.strip()
+    assert out.status == 0, (out.status, out.stderr[-2000:])
+    assert "trainer_state.pt cannot be loaded" in msg and "nested deeper than 64 levels" in msg, msg
+    assert out.max_rss_mb < MAX_RSS_MB, out.max_rss_mb
