@@ -131,7 +131,7 @@ def test_out_of_memory_is_one_line(config, tmp_path, monkeypatch, capsys, error)
 
 # ---- Ctrl-C and SIGTERM ----------------------------------------------------------------------------------------------
 def test_ctrl_c_while_the_cli_starts_is_one_line(monkeypatch, capsys):
-    def importing():
+    def importing(command=None):
         raise KeyboardInterrupt  # what a Ctrl-C during `import torch` looks like
 
     monkeypatch.setattr(mhmoe.cli, "_parser_builders", importing)

@@ -145,7 +145,9 @@ def add_harness_args(p: argparse.ArgumentParser, tasks_required: bool) -> None:
 
 # ---- downstream ------------------------------------------------------------------------------------
 def _add_downstream(sub) -> None:
-    p = sub.add_parser("downstream", help="lm-eval tasks on several checkpoints: one table (rows = models)")
+    p = sub.add_parser("downstream", description="Run lm-eval harness tasks on several checkpoints and print one "
+                       "Markdown table: a row per model, a column per task metric with its standard error "
+                       "(docs/DOWNSTREAM.md).")
     p.add_argument("--checkpoints", nargs="+", required=True, metavar="RUN", help="run or checkpoint directories")
     p.add_argument("--labels", nargs="+", metavar="LABEL", help="row labels, one per checkpoint (default: the run "
                    "directory's name; for RUN/seed<k>, the parent's)")
@@ -210,7 +212,7 @@ def format_downstream(rows: list[dict], tasks: list[str]) -> str:
 
 # ---- make-tasks ------------------------------------------------------------------------------------
 def _add_make_tasks(sub) -> None:
-    p = sub.add_parser("make-tasks", help="(re)build the offline lm-eval tasks from the KJV held-out split",
+    p = sub.add_parser("make-tasks",
                        description="Write kjv_cloze.jsonl, kjv_ppl.jsonl and their task YAML files into OUT (the "
                        "shipped copies: src/mhmoe/integrations/tasks/).")
     p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
@@ -234,4 +236,4 @@ def _run_make_tasks(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_downstream, _add_make_tasks]
+PARSER_BUILDERS = {"downstream": _add_downstream, "make-tasks": _add_make_tasks}

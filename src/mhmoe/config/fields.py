@@ -7,7 +7,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, did_you_mean
 
 INT64 = 2**63  # every integer field fits a signed 64-bit integer (torch and numpy take them as such)
 
@@ -59,7 +59,8 @@ def coerce_fields(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:
     out = dict(d)
     for key, value in d.items():
         if key not in by_name:
-            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(by_name)))
+            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(by_name)),
+                              did_you_mean(key, by_name))
         f = by_name[key]
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
         if kind.startswith("float") and isinstance(value, (str, int)) and not isinstance(value, bool):
