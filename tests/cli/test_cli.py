@@ -227,9 +227,8 @@ def test_argparse_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train"])  # --out missing
     assert info.value.code == 2 and "--out" in _one_line_error(capsys, "mhmoe train: error:")
-    with pytest.raises(SystemExit) as info:
-        main(["frobnicate"])
-    assert info.value.code == 2 and "frobnicate" in _one_line_error(capsys, "mhmoe: error:")
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in _one_line_error(capsys, "mhmoe: error:")
     assert main([]) == 2
 
 

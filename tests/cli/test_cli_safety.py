@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MHMOE, tiny_run
+from helpers import MHMOE, run_messages, tiny_run
 
 import mhmoe.cli
 from mhmoe.cli import main
@@ -70,9 +70,11 @@ def trained(config, tmp_path) -> Path:
 
 
 def _one_line(capsys, prefix: str) -> str:
+    """The one message line on stderr (a training's header and evaluation lines aside)."""
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(prefix), err
-    return err
+    lines = run_messages(err)
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0] + "\n"
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

@@ -203,6 +203,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the run's train.dtype)")
     add_harness_args(p, tasks_required=False)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_eval)
 
@@ -222,7 +223,8 @@ def _run_eval(args) -> int:
     ck = load_latest(args.checkpoint, device)
     dtype = args.dtype or ck.run.train.dtype
     warn_slow_bf16(device.type, dtype)
-    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device, dtype)  # the run's own task
+    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device, dtype,  # the run's own task
+                              progress=not args.no_progress)
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "eval": res}, indent=2))
     else:

@@ -47,10 +47,11 @@ from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.checkpoint_format import remove_stale_temporaries
 from mhmoe.train.lock import RunDirLock
-from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
+from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
+from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
 from mhmoe.train.tasks import Task, build_task
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
@@ -165,7 +166,10 @@ class Trainer:
         self.forward = torch.compile(self.module) if self.cfg.compile else self.module
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
-        self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
+        self.progress = progress and par.is_rank0
+        self._print_header()
+        self.bar = StepBar(self.cfg.max_steps, self.start, self.cfg.tokens_per_step * par.world_size, par.device,
+                           self.progress, desc=self.run_cfg.name)
         self.nan_run = 0
         self.nan_at_start = self.state.nan_total
         self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
@@ -187,8 +191,8 @@ class Trainer:
         if self.par.is_rank0:
             taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
             taken.append("data.cache_dir")
-            print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
-                  f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
+            print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
+                  f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
     def _prepare_task(self, progress: bool) -> Task:
@@ -205,6 +209,15 @@ class Trainer:
             model = {**self.run_cfg.model.to_dict(), "vocab_size": task.vocab_size}
             self.run_cfg = RunConfig.from_dict({**self.run_cfg.to_dict(), "model": model})
         return task
+
+    def _print_header(self) -> None:
+        """The resolved run, before the first step (rank 0, stderr; :func:`mhmoe.train.progress.run_header`)."""
+        if not self.par.is_rank0:
+            return
+        flops = model_flops_per_token(self.run_cfg.model, self.cfg.seq_len).total
+        lines = run_header(self.run_cfg, self.run_dir, self.result.params, flops, self.task.summary(),
+                           self.par.device, self.par.world_size, self.start)
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,13 +298,16 @@ class Trainer:
                **routing_summary(res.routing, self.cfg.grad_accum)}
         if self.metrics is not None:
             self.metrics.log(rec)
-        self.bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tps:,.0f}")
 
     def evaluate(self, step: int) -> dict[str, dict[str, float]]:
         """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
         forwards are collectives); rank 0 logs to eval.jsonl."""
-        res = self.task.evaluate(self.model, max_batches=self.cfg.eval_batches, device=self.par.device,
-                                 dtype=self.cfg.dtype)
+        t0 = time.perf_counter()
+        with eval_progress(self.task.eval_size(self.cfg.eval_batches), f"eval step {step}", self.progress) as tick:
+            res = self.task.evaluate(self.model, max_batches=self.cfg.eval_batches, device=self.par.device,
+                                     dtype=self.cfg.dtype, on_batch=tick)
+        if self.par.is_rank0:
+            self.bar.write(format_eval(step, self.cfg.max_steps, res, time.perf_counter() - t0))
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
@@ -328,14 +344,15 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg, st = self.cfg, self.state
+        self.bar.start()
         while st.step < cfg.max_steps:
             t0 = time.perf_counter()
             res = self.train_step(st.step)
             self.pending.append(res)
             st.step += 1
             st.train_s += time.perf_counter() - t0
-            self.bar.update(1)
-            due = {"log": st.step % cfg.log_every == 0 or st.step == cfg.max_steps,
+            self.bar.step(res.lm_loss)
+            due = {"log": st.step % cfg.log_every == 0 or st.step in (1, cfg.max_steps),  # step 1: a curve's start
                    "eval": bool(cfg.eval_every) and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps,
                    "ckpt": bool(cfg.ckpt_every) and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps,
                    "stop": self.stop_after is not None and st.step >= self.stop_after}

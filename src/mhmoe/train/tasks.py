@@ -8,7 +8,9 @@ The trainer (:mod:`mhmoe.train.loop`) sees a task only through :class:`Task`:
   function of the seed, the step, the micro-step and the rank (bit-exact resume);
 - ``task.forward(module, batch)`` runs the model's training forward and returns its output, which has
   ``loss`` and ``aux_loss`` (0-dim tensors) and ``routing`` (one RoutingStats per MoE layer);
-- ``task.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}``.
+- ``task.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}`` (calling ``on_batch`` after
+  each of its ``task.eval_size(max_batches)`` batches, for a progress bar);
+- ``task.summary()`` is one line on the data (tokens per split), printed before training.
 
 Two tasks:
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import fields
+from collections.abc import Callable
 from itertools import zip_longest
 from typing import Any, Protocol
 
@@ -35,7 +38,7 @@ from torch import Tensor, nn
 
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
-from mhmoe.data import BatchSampler, PreparedData, prepare_data
+from mhmoe.data import BatchSampler, PreparedData, count_eval_batches, prepare_data
 from mhmoe.data.bpe import load_or_train_bpe
 from mhmoe.data.corpora import load_corpus
 from mhmoe.data.multimodal import (
@@ -68,7 +71,11 @@ class Task(Protocol):
     def forward(self, module: nn.Module, batch: Any) -> Any: ...
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]: ...
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]: ...
+
+    def eval_size(self, max_batches: int | None) -> int: ...
+
+    def summary(self) -> str: ...
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -100,9 +107,22 @@ class LMTask:
         return module(x, y)
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]:
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
         return evaluate(model, self.data.val, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
-                        max_batches=max_batches, device=device, dtype=dtype)
+                        max_batches=max_batches, device=device, dtype=dtype, on_batch=on_batch)
+
+    def eval_size(self, max_batches: int | None) -> int:
+        """Evaluation batches over all validation sets."""
+        return sum(count_eval_batches(len(v), batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
+                                      max_batches=max_batches) for v in self.data.val.values())
+
+    def summary(self) -> str:
+        """``kjv: 1,234,567 train tokens (bpe, vocab 8,192); val kjv 65,536, pydocs 65,536``."""
+        m, tok = self.data.manifest, self.tokenizer
+        val = ", ".join(f"{k} {len(v):,}" for k, v in self.data.val.items())
+        skipped = m.get("skipped_val_sets") or []
+        return (f"{m.get('corpus', '?')}: {len(self.data.train):,} train tokens ({tok.name}, vocab "
+                f"{tok.vocab_size:,}); val {val} tokens" + (f"; skipped {', '.join(skipped)}" if skipped else ""))
 
 
 class MaskedMultimodalTask:
@@ -138,9 +158,19 @@ class MaskedMultimodalTask:
     def forward(self, module: nn.Module, b: MultimodalBatch) -> Any:
         return module(b.input_ids, b.modality, b.patch_pos, b.attention_mask, b.targets, b.loss_mask)
 
+    def eval_size(self, max_batches: int | None) -> int:
+        return len(self.val_batches(max_batches))
+
+    def summary(self) -> str:
+        d = self.manifest
+        images = ", ".join(f"{k} {v:,}" for k, v in d["images"].items())
+        text = ", ".join(f"{k} {v:,}" for k, v in d["text_tokens"].items())
+        return (f"{d['image_set']} images ({images}; {d['grid'][0]}x{d['grid'][1]} patches, codebook "
+                f"{d['codebook_size']}) + text tokens ({text}); {d['n_val_examples']:,} fixed validation examples")
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]:
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
         """Masked-prediction perplexity on the fixed validation examples (fixed masks): overall and per
         modality, token-weighted over every masked position (``max_batches`` caps the batches of
         :meth:`val_batches`; None = all)."""
@@ -158,6 +188,8 @@ class MaskedMultimodalTask:
             for g, (total, n) in masked_perplexity_groups(b, token_loss).items():
                 sums[g][0] += total
                 sums[g][1] += n
+            if on_batch is not None:
+                on_batch()
         model.train(was_training)
         out_sets = {}
         for g, (total, n) in sums.items():
@@ -201,10 +233,15 @@ def build_task(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank: int 
 
 
 def evaluate_checkpoint(ck: Any, max_batches: int | None, device: torch.device | str,
-                        dtype: str | None = None) -> dict[str, dict[str, float]]:
+                        dtype: str | None = None, progress: bool = False) -> dict[str, dict[str, float]]:
     """Validation results of a loaded :class:`~mhmoe.train.checkpoint_format.Checkpoint` on its own
     task's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
-    where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says."""
+    where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says.
+    ``progress``: a bar over the evaluation batches (stderr)."""
+    from mhmoe.train.progress import eval_progress
+
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
-    task = build_task(run, tokenizer=ck.tokenizer)
-    return task.evaluate(ck.model, max_batches=max_batches, device=device, dtype=dtype or ck.run.train.dtype)
+    task = build_task(run, tokenizer=ck.tokenizer, progress=progress)
+    with eval_progress(task.eval_size(max_batches), f"eval step {ck.step}", progress) as tick:
+        return task.evaluate(ck.model, max_batches=max_batches, device=device, dtype=dtype or ck.run.train.dtype,
+                             on_batch=tick)
