@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import fields
 from collections.abc import Callable
+from dataclasses import fields
 from itertools import zip_longest
 from typing import Any, Protocol
 
