@@ -137,7 +137,7 @@ def _count(n: float) -> str:
 def _ffn(run: Any) -> str:
     moe, m = run.model.moe, run.model
     if moe.kind == "dense":
-        return f"dense FFN {m.d_ff}"
+        return f"dense {m.d_ff}"
     text = f"{moe.n_experts}x{moe.d_expert} top-{moe.top_k} {moe.router}/{moe.ffn}"
     text = (f"MH-MoE h={moe.heads} " if moe.heads > 1 else "MoE ") + text
     text += f" +{moe.n_shared} shared" if moe.n_shared else ""
@@ -161,12 +161,12 @@ def run_header(run: Any, run_dir: Any, params: int, flops_per_token: float, data
     m, t = run.model, run.train
     tokens = t.tokens_per_step * world_size
     todo = max(0, t.max_steps - start_step)
-    sets = "end only" if not t.eval_every else f"every {t.eval_every} steps and at the end"
+    sets = "at the end" if not t.eval_every else f"every {t.eval_every} steps and at the end"
     ranks = f" x {world_size} ranks" if world_size > 1 else ""
     lines = [
         f"mhmoe train: {run.name} -> {run_dir}" + (f" (resumed at step {start_step})" if start_step else ""),
-        f"  model   {m.arch}, d={m.d_model} L={m.n_layers} heads={m.n_heads}, {_ffn(run)}; "
-        f"{params:,} parameters, {_count(flops_per_token)} fwd FLOPs/token",
+        f"  model   {m.arch}, d={m.d_model} L={m.n_layers} heads={m.n_heads}; FFN {_ffn(run)}",
+        f"          {params:,} parameters, {_count(flops_per_token)} forward FLOPs/token",
         f"  data    {data}",
         f"  train   {t.max_steps:,} steps x {tokens:,} tokens (batch {t.batch_size} x seq {t.seq_len}"
         f"{f' x accum {t.grad_accum}' if t.grad_accum > 1 else ''}{ranks}) = {_count(t.max_steps * tokens)} tokens"
