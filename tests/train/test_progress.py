@@ -96,10 +96,15 @@ def test_eval_size_counts_the_batches_evaluate_runs(tmp_path):
     task = build_task(run)
     model = mhmoe.LM(mhmoe.ModelConfig(**{**run.model.to_dict(), "vocab_size": task.vocab_size}))
     for cap in (1, 3, None):
-        ticks = []
         with eval_progress(task.eval_size(cap), "eval", enabled=True) as tick:
-            task.evaluate(model, max_batches=cap, device="cpu", dtype="float32", on_batch=lambda: ticks.append(tick()))
-        assert len(ticks) == task.eval_size(cap) > 0
+            calls = []
+
+            def counted(tick=tick, calls=calls) -> None:
+                calls.append(1)
+                tick()
+
+            task.evaluate(model, max_batches=cap, device="cpu", dtype="float32", on_batch=counted)
+        assert len(calls) == task.eval_size(cap) > 0
 
 
 def test_header_and_result_lines(tmp_path):
