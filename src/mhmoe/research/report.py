@@ -16,6 +16,7 @@ import csv
 import json
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,6 @@ def collect_curves(paths: list[Path], labels: list[str] | None = None) -> list[C
             groups.setdefault(c.label, []).append(c)
         named = [mean_curves(label, cs) for label, cs in groups.items()]
         if labels:
-            named = [Curves(labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}", c.train, c.val)
-                     for c in named]
+            named = [replace(c, label=labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}") for c in named]
         out += named
     return out
