@@ -280,6 +280,8 @@ def _add_compare(sub) -> None:
     p.add_argument("--seeds", type=int, default=1, help="seeds per preset (seed k trains with train.seed + k); the "
                    "table shows mean ± std when > 1")
     add_run_flags(p, tuple(DEFAULT_PRESETS))
+    p.add_argument("--timing-steps", type=int, default=3, metavar="N", help="after training, time N training steps "
+                   "of each final model round-robin for the tok/s column (0: show each run's average instead)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--json", action="store_true", help="print every run's summary as JSON instead of the table")
     p.set_defaults(func=_run_compare)
@@ -291,7 +293,10 @@ def _run_compare(args) -> int:
     t0 = time.perf_counter()
     first = compare_runs(args.presets, args.seeds, flag_overrides(args))[0][2]  # checks every name and override
     warn_slow_bf16(first.train.device, first.train.dtype)
-    runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress)
+    if args.timing_steps < 0:
+        raise ConfigError("--timing-steps", args.timing_steps, "an integer >= 0")
+    runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress,
+                              timing_rounds=args.timing_steps)
     if not runs:  # torchrun: rank 0 reports
         return 0
     if args.json:
