@@ -117,6 +117,18 @@ def test_bad_paths_exit_2(config, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and not (tmp_path / "nothing").exists()
 
 
+def test_a_failed_train_leaves_no_empty_directories(config, tmp_path, capsys):
+    out = tmp_path / "runs" / "week1" / "mh3"  # neither runs/ nor runs/week1/ exists yet
+    assert main(["train", "--config", str(config), "--out", str(out), "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in _one_line(capsys, "mhmoe train: error:")
+    assert not (tmp_path / "runs").exists()  # every directory the run created is gone again
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("mine\n")
+    assert main(["train", "--config", str(config), "--out", str(out), "--data", str(tmp_path / "missing.txt")]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt"]  # what was there stays
+
+
 @pytest.mark.parametrize("error", [
     MemoryError("Unable to allocate 246. GiB for an array with shape (1000000000, 33)"),  # numpy, host memory
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\n(GPU 0; 79.1 GiB total)"),
