@@ -87,8 +87,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from mhmoe.train.checkpoint import load_latest
 
     ck = load_latest(args.checkpoint, "cpu")
-    with quiet_libraries():
-        report = export_hf(ck, args.out)
+    report = export_hf(ck, args.out)  # quiet: transformers' bars and logs are off inside (quiet_transformers)
     if args.json:
         print(json.dumps({**report.to_dict(), "checkpoint": str(ck.path)}, indent=2))
     else:
