@@ -285,8 +285,8 @@ class Trainer:
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
-        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar;
-        a skipped (non-finite) step is not logged."""
+        """Append one record to metrics.jsonl (losses averaged over ranks); a skipped (non-finite) step is
+        not logged. Due at step 1, every ``log_every`` steps and at the last step."""
         if not bool(res.finite):
             return
         lm, aux = self.par.mean([float(res.lm_loss), float(res.aux_loss)])
