@@ -157,7 +157,8 @@ def _add_train(sub) -> None:
                    + preset_default(("tiny-mh3",), "train.parallel"))
     p.add_argument("--ep", type=int, help="expert-parallel group size under torchrun; = train.ep; divides the world "
                    "size and the expert count " + preset_default(("tiny-mh3",), "train.ep"))
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and evaluation lines are still printed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and "
+                   "evaluation lines are still printed")
     p.add_argument("--json", action="store_true", help="print the final summary (results.json) as JSON")
     p.set_defaults(func=_run_train)
 
@@ -282,7 +283,8 @@ def _add_compare(sub) -> None:
     add_run_flags(p, tuple(DEFAULT_PRESETS))
     p.add_argument("--timing-steps", type=int, default=3, metavar="N", help="after training, time N training steps "
                    "of each final model round-robin for the tok/s column (0: show each run's average instead)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and evaluation lines are still printed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and "
+                   "evaluation lines are still printed")
     p.add_argument("--json", action="store_true", help="print every run's summary as JSON instead of the table")
     p.set_defaults(func=_run_compare)
 
