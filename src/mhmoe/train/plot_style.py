@@ -165,7 +165,7 @@ def final_values(ax: Any, rows: Sequence[tuple[str, tuple[int, float], dict[int,
     lo, hi = min(allv), max(allv)
     pad = (hi - lo) * 0.25 or abs(hi) * 0.05 or 1.0
     if ax.get_xscale() == "log":
-        ax.set_xlim(lo / 1.3, hi * 1.6)
+        ax.set_xlim(lo / 1.3, hi * 2.2)  # room for the value written right of the dot
     else:
         ax.set_xlim(lo - pad * 0.4, hi + pad)  # room for the value labels on the right
     steps = {r[1][0] for r in rows}
