@@ -1,5 +1,6 @@
-"""Ecosystem subcommands: ``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and
-``make-tasks``. transformers / lm-eval are optional extras, imported only by these commands."""
+"""The commands of :mod:`mhmoe.integrations` (Hugging Face transformers, the LM Evaluation Harness):
+``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and ``make-tasks``. transformers /
+lm-eval are optional extras, imported only by these commands."""
 
 from __future__ import annotations
 
