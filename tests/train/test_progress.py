@@ -16,7 +16,7 @@ from helpers import MHMOE, tiny_run
 
 import mhmoe
 from mhmoe.train.progress import LossReader, StepBar, eval_progress, format_eval, run_header
-from mhmoe.train.tasks import build_task
+from mhmoe.train.objectives import build_objective
 
 SRC = Path(mhmoe.__file__).resolve().parents[1]  # the subprocess runs the sources this test imported
 
@@ -93,7 +93,7 @@ def test_loss_reader_on_cuda_never_synchronises():
 
 def test_eval_size_counts_the_batches_evaluate_runs(tmp_path):
     run = tiny_run(tmp_path, MHMOE, eval_batches=3)
-    task = build_task(run)
+    task = build_objective(run)
     model = mhmoe.LM(mhmoe.ModelConfig(**{**run.model.to_dict(), "vocab_size": task.vocab_size}))
     for cap in (1, 3, None):
         with eval_progress(task.eval_size(cap), "eval", enabled=True) as tick:

@@ -1,8 +1,8 @@
 """The ``mhmoe`` command line: one entry point, one module per command group.
 
 ``plan`` (plan, presets), ``train`` (train, eval, generate, compare), ``bench``, ``export`` (export,
-convert-checkpoint), ``research`` (reproduce, analyze, plot), ``ecosystem`` (downstream, make-tasks and the
-transformers / lm-eval handlers). :data:`COMMANDS` names every subcommand, its module and the one-line
+convert-checkpoint), ``research`` (reproduce, analyze, plot), ``integrations`` (downstream, make-tasks and
+the transformers / lm-eval handlers). :data:`COMMANDS` names every subcommand, its module and the one-line
 summary ``mhmoe --help`` shows; each module's ``PARSER_BUILDERS`` maps a command name to the function that
 adds its parser (which sets ``func``). Only the module of the command being run is imported, so
 ``mhmoe --help`` and ``mhmoe --version`` answer without importing torch. The handlers turn the parsed
@@ -21,9 +21,10 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from mhmoe.errors import close_match
+from mhmoe.errors import NO_SPACE_EXIT, NoSpaceError, close_match, one_line
 from mhmoe.runtime.console import one_line_warnings
 from mhmoe.runtime.cpu_malloc import malloc_from_env
+from mhmoe.runtime.files import no_space_errno
 from mhmoe.runtime.signals import raise_on_sigterm
 
 #: every subcommand, in ``mhmoe --help`` order: (module under mhmoe.cli, one-line summary)
@@ -42,8 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reproduce": ("research", "train + evaluate the matched models of a paper table"),
     "analyze": ("research", "expert activation, sub-token assign diversity, entropy, load imbalance"),
     "plot": ("research", "training and validation curves of any runs in one PNG"),
-    "downstream": ("ecosystem", "lm-eval tasks on several checkpoints: one table (rows = models)"),
-    "make-tasks": ("ecosystem", "(re)build the offline lm-eval tasks from the KJV held-out split"),
+    "downstream": ("integrations", "lm-eval tasks on several checkpoints: one table (rows = models)"),
+    "make-tasks": ("integrations", "(re)build the offline lm-eval tasks from the KJV held-out split"),
 }
 
 
@@ -126,8 +127,7 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+MESSAGE_CHARS = 2000  # the longest error line the command prints
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -156,16 +156,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
             with one_line_warnings():
                 return int(args.func(args) or 0)
+    except NoSpaceError as exc:  # the disk, the quota or the file-size limit ran out while writing
+        print(f"{command}: {one_line(exc.strerror or exc, MESSAGE_CHARS)}", file=sys.stderr)
+        return NO_SPACE_EXIT
     except (ValueError, OSError) as exc:
-        print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
+        if isinstance(exc, OSError) and no_space_errno(exc) is not None:
+            print(f"{command}: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
+            return NO_SPACE_EXIT
+        print(f"{command}: error: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Interrupted, exit_code 143)
-        print(f"{command}: {_one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
+        print(f"{command}: {one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 130))
     except (MemoryError, RuntimeError) as exc:
         if not _is_out_of_memory(exc):
             raise
-        print(f"{command}: error: out of memory ({_one_line(exc)[:200]}); lower train.batch_size or train.seq_len, "
+        print(f"{command}: error: out of memory ({one_line(exc, 200)}); lower train.batch_size or train.seq_len, "
               "or use a smaller model", file=sys.stderr)
         return 2
 

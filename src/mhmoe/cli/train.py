@@ -192,7 +192,7 @@ def _run_train(args) -> int:
 
 # ---- eval ------------------------------------------------------------------------------------------
 def _add_eval(sub) -> None:
-    from mhmoe.cli.ecosystem import add_harness_args
+    from mhmoe.cli.integrations import add_harness_args
 
     p = sub.add_parser("eval", description="Perplexity of a checkpoint on every validation set of its run (the "
                        "run's own task, tokenizer and data; caches where this machine keeps them). --tasks: lm-eval "
@@ -211,12 +211,12 @@ def _add_eval(sub) -> None:
 
 def _run_eval(args) -> int:
     if args.tasks is not None:
-        from mhmoe.cli.ecosystem import run_eval_tasks
+        from mhmoe.cli.integrations import run_eval_tasks
 
         return run_eval_tasks(args)
     from mhmoe.runtime.device import resolve_device
     from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.tasks import evaluate_checkpoint
+    from mhmoe.train.objectives import evaluate_checkpoint
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError("--batches", args.batches, ">= 1")
@@ -237,7 +237,7 @@ def _run_eval(args) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    from mhmoe.train.pretrained import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+    from mhmoe.train.checkpoint import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 
     p = sub.add_parser("generate",
                        description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
@@ -255,7 +255,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from mhmoe.train.pretrained import check_sampling, load
+    from mhmoe.train.checkpoint import check_sampling, load
 
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

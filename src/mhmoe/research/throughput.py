@@ -6,8 +6,8 @@ the load during that run as much as the model, and runs trained one after anothe
 one process** (model A, B, C, A, B, C, ...), after :data:`WARMUP` untimed rounds, and reports each
 model's median step: whatever load the machine has falls on all of them alike.
 
-A timed step is what :meth:`mhmoe.train.loop.Trainer.train_step` does for one micro-batch: the task's
-batch and forward (:mod:`mhmoe.train.tasks`), backward, gradient clipping and an AdamW step, in the run's
+A timed step is what :meth:`mhmoe.train.loop.Trainer.train_step` does for one micro-batch: the objective's
+batch and forward (:mod:`mhmoe.train.objectives`), backward, gradient clipping and an AdamW step, in the run's
 dtype and thread count, on the run's device.
 """
 
@@ -33,19 +33,19 @@ def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
     from mhmoe.runtime.device import autocast_ctx
     from mhmoe.train.checkpoint import load_latest
     from mhmoe.train.optim import build_optimizer
-    from mhmoe.train.tasks import build_task
+    from mhmoe.train.objectives import build_objective
 
     ck = load_latest(run_dir, device)
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
     cfg = run.train
-    task = build_task(run, tokenizer=ck.tokenizer)
+    objective = build_objective(run, tokenizer=ck.tokenizer)
     model = ck.model.train()
     opt = build_optimizer(model, cfg)
-    batch = task.micro_batch(0, 0, device)
+    batch = objective.micro_batch(0, 0, device)
 
     def step() -> None:
         with autocast_ctx(device, cfg.dtype):
-            out = task.forward(model, batch)
+            out = objective.forward(model, batch)
         (out.loss + out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         opt.step()

@@ -43,16 +43,11 @@ def colors() -> list[str]:
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG through a temporary name (a viewer never sees a half-written file)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    """Write ``fig`` as a PNG atomically (:func:`mhmoe.runtime.files.atomic_write`: a viewer never sees a
+    half-written file, a symlink at ``path`` is replaced, not followed)."""
+    from mhmoe.runtime.files import atomic_write
+
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def plain_number(value: float, _pos: Any = None) -> str:

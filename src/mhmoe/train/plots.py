@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mhmoe.errors import one_line
 from mhmoe.train.plot_style import colors, draw_series, figure, final_values, save_figure, step_axis, value_axis
 
 CURVES_FILE = "curves.png"
@@ -156,6 +157,5 @@ def update_run_plot(run_dir: str | os.PathLike[str]) -> None:
     try:
         plot_run(run_dir)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        msg = (str(exc).strip().splitlines() or [""])[0]
-        print(f"mhmoe: warning: {Path(run_dir) / CURVES_FILE} not written ({exc.__class__.__name__}: {msg})",
+        print(f"mhmoe: warning: {Path(run_dir) / CURVES_FILE} not written ({exc.__class__.__name__}: {one_line(exc)})",
               file=sys.stderr)

@@ -1,9 +1,10 @@
-"""Ecosystem subcommands: ``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and
-``make-tasks``. transformers / lm-eval are optional extras, imported only by these commands.
+"""The commands of :mod:`mhmoe.integrations` (Hugging Face transformers, the LM Evaluation Harness):
+``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and ``make-tasks``. transformers /
+lm-eval are optional extras, imported only by these commands.
 
-Their own output is kept out of ours (:func:`quiet_libraries`): no progress bars of transformers,
-datasets or lm-eval (the harness gets one bar of ours over its requests), their logs at error level,
-and lm-eval's ``git describe`` without its ``fatal: not a git repository`` outside a git checkout."""
+Their own output is kept out of ours (:func:`quiet_libraries`): no progress bars of datasets or lm-eval
+(the harness gets one bar of ours over its requests), their logs at error level, and lm-eval's
+``git describe`` without its ``fatal: not a git repository`` outside a git checkout."""
 
 from __future__ import annotations
 
