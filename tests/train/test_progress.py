@@ -15,8 +15,8 @@ import torch
 from helpers import MHMOE, tiny_run
 
 import mhmoe
-from mhmoe.train.progress import LossReader, StepBar, eval_progress, format_eval, run_header
 from mhmoe.train.objectives import build_objective
+from mhmoe.train.progress import LossReader, StepBar, eval_progress, format_eval, run_header
 
 SRC = Path(mhmoe.__file__).resolve().parents[1]  # the subprocess runs the sources this test imported
 

@@ -32,8 +32,8 @@ def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
 
     from mhmoe.runtime.device import autocast_ctx
     from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.optim import build_optimizer
     from mhmoe.train.objectives import build_objective
+    from mhmoe.train.optim import build_optimizer
 
     ck = load_latest(run_dir, device)
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
