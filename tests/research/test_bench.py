@@ -99,3 +99,38 @@ def test_hf_peer_block_shapes_and_grads(heads, k):
         assert out.out.shape == (16, 48) and float(out.aux_loss) == 0.0
         out.out.sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0, backend
+
+
+@pytest.mark.parametrize("name", ["smoe", "mh3"])
+def test_layer_flops_are_analytic_and_the_same_for_every_impl(name):
+    """The FLOPs behind every "x dense" ratio: the analytic count, one number whatever path runs. PyTorch's
+    counter agrees with it on a path it can count exactly (sorted: only routed rows, plain matmuls) and
+    not on grouped_mm (no formula for torch._grouped_mm) or padded (counts the padding rows)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mhmoe.moe.layers import build_ffn_layer
+    from mhmoe.research.bench import CONFIGS, D_MODEL, available_impls, layer_flops
+
+    cfg, tokens = CONFIGS[name], 64
+    x = torch.randn(tokens, D_MODEL)
+    counted = {}
+    for impl in available_impls(torch.device("cpu")):
+        torch.manual_seed(0)
+        layer = build_ffn_layer(D_MODEL, cfg.moe_config(impl))
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            layer(x)
+        counted[impl] = counter.get_total_flops()
+    assert counted["sorted"] == layer_flops(cfg, tokens)  # the counter, where it is right, agrees
+    if "grouped_mm" in counted:
+        assert counted["grouped_mm"] < layer_flops(cfg, tokens)  # what the old FlopCounter-based ratio saw
+    assert counted["padded"] >= layer_flops(cfg, tokens)
+    out = bench_rows(name)
+    assert {r["flops_fwd"] for r in out} == {layer_flops(cfg, tokens)}
+    assert all(r["dense_flops_fwd"] == 6 * D_MODEL * r["dense_hidden"] * tokens for r in out)
+
+
+def bench_rows(name: str) -> list[dict]:
+    from mhmoe.research.bench import CONFIGS, bench_config
+
+    return bench_config(CONFIGS[name], 64, torch.float32, torch.device("cpu"), repeats=1, passes=("fwd",),
+                        with_loop=False)

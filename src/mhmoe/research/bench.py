@@ -7,8 +7,10 @@ fine-grained 16x1024 top-2, MH-MoE h=2 40x768 top-2 and h=3 96x512 top-3 (with h
 References in every row:
 
 - ``dense``: one SwiGLU FFN whose hidden width is the multiple of 128 closest to the width that makes
-  its matmul FLOPs equal to the MoE layer's (measured with FlopCounterMode, so head/merge and router
-  FLOPs are included): tensor-core friendly, as a real dense model would be. Its time is reported as
+  its matmul FLOPs equal to the MoE layer's: tensor-core friendly, as a real dense model would be. FLOPs
+  are the analytic count of :mod:`mhmoe.config.flops` (experts for the routed sub-tokens, head/merge,
+  router), a property of the layer and so the same for every path: PyTorch's FlopCounterMode has no
+  formula for ``torch._grouped_mm`` and counts padded rows, so it would give each path another number. Its time is reported as
   measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs (``ms_dense_norm``);
   ``ratio_dense`` = ms_dense_norm / ms_ours.
 - ``floor``: the expert GEMMs alone -- every expert gets the same number of rows (the routed rows /
@@ -35,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from mhmoe.config.flops import moe_layer_flops
 from mhmoe.config.moe import MoEConfig
 from mhmoe.moe.experts import DenseFFN, GroupedExperts
 from mhmoe.moe.layers import build_ffn_layer
@@ -202,10 +204,15 @@ def _autocast(fn: Callable[[], Any], device: torch.device, dtype: torch.dtype) -
     return run
 
 
-def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        module(x.detach())  # FlopCounterMode's module tracker cannot hook a grad-requiring input under no_grad
-    return counter.get_total_flops()
+def layer_flops(cfg: BenchConfig, tokens: int, d_model: int = D_MODEL) -> int:
+    """Analytic forward FLOPs of the config's layer on ``tokens`` tokens (:func:`mhmoe.config.flops.moe_layer_flops`:
+    the routed experts, head/merge projections and router), the same for every execution path."""
+    return round(tokens * sum(moe_layer_flops(cfg.moe_config("auto"), d_model).values()))
+
+
+def dense_flops(d_hidden: int, tokens: int, d_model: int = D_MODEL) -> int:
+    """Analytic forward FLOPs of the SwiGLU dense reference of hidden width ``d_hidden`` on ``tokens`` tokens."""
+    return 6 * d_model * d_hidden * tokens
 
 
 def _autocast_peer(name: str) -> bool:
@@ -236,7 +243,7 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
     first = next(iter(layers.values()))
     for layer in layers.values():
         layer.load_state_dict(first.state_dict())
-    flops = layer_flops(first, x)
+    flops = layer_flops(cfg, tokens)
     refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL)),
                                         "floor": GemmFloor(cfg, tokens)}
     if with_loop:
@@ -263,12 +270,12 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
     torch.manual_seed(0)
     x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
     layers, refs, flops = _candidates(cfg, x, dtype, device, with_loop, peers)
-    dense_flops = layer_flops(refs["dense"], x)
+    ref_flops = dense_flops(refs["dense"].experts.d_hidden, tokens)
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
-                               "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": dense_flops}
+                               "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": ref_flops}
         fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
         for name, m in refs.items():  # peers in bf16: under autocast (fp32 weights)
             run = _runner(m, x, pass_)
@@ -279,7 +286,7 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row.update(times)
         if device.type == "cuda":
             row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
-        _summarise(row, layers, refs, errors, flops / dense_flops)
+        _summarise(row, layers, refs, errors, flops / ref_flops)
         rows.append(row)
     return rows
 
