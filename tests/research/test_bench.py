@@ -134,3 +134,50 @@ def bench_rows(name: str) -> list[dict]:
 
     return bench_config(CONFIGS[name], 64, torch.float32, torch.device("cpu"), repeats=1, passes=("fwd",),
                         with_loop=False)
+
+
+def test_batched_mm_peer_memory_predicted_and_skipped(monkeypatch):
+    """hf_batched_mm gathers the expert weights per routed slot: its predicted memory grows with tokens x
+    d x F; a peer predicted past the free memory is skipped with a note in the row, not run."""
+    from mhmoe.research import bench
+    from mhmoe.research.bench_peers import peer_predicted_bytes
+
+    mh3 = bench.CONFIGS["mh3"]
+    args = (768, mh3.experts, mh3.d_expert, mh3.top_k, mh3.heads, 16384, torch.bfloat16)
+    fwd_bwd = peer_predicted_bytes("hf_batched_mm", *args, backward=True)
+    assert fwd_bwd == 4 * 16384 * 9 * 256 * 512 * 2  # 155 GB: more than an H100 has
+    assert peer_predicted_bytes("hf_batched_mm", *args, backward=False) == 3 * fwd_bwd // 4
+    assert peer_predicted_bytes("hf_grouped_mm", *args, backward=True) is None
+    cpu = torch.device("cpu")
+    why = bench.skipped_peers(mh3, 16384, torch.bfloat16, cpu, "fwd_bwd", ("hf_batched_mm", "hf_grouped_mm"), 80 << 30)
+    assert set(why) == {"hf_batched_mm"} and "predicted 144.0 GiB for fwd_bwd" in why["hf_batched_mm"]
+    assert bench.skipped_peers(mh3, 64, torch.float32, cpu, "fwd", ("hf_batched_mm",), 80 << 30) == {}
+    assert bench.skipped_peers(mh3, 16384, torch.float32, cpu, "fwd", ("hf_batched_mm",), None) == {}
+    assert bench.free_memory_bytes(cpu) is None or bench.free_memory_bytes(cpu) > 0
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench, "free_memory_bytes", lambda device: 1 << 20)  # 1 MiB free: skip it
+    rows = bench.bench_config(bench.CONFIGS["fgmoe"], 32, torch.float32, cpu, repeats=1, with_loop=False,
+                              peers=("hf_batched_mm", "hf_grouped_mm"))
+    for r in rows:
+        assert "hf_batched_mm" in r["peer_skipped"] and r["ms_peer_hf_batched_mm"] is None
+        assert r["ratio_peer_hf_batched_mm"] is None and r["ms_peer_hf_grouped_mm"] > 0
+
+
+@pytest.mark.gpu
+def test_batched_mm_prediction_bounds_its_measured_peak():
+    """On CUDA the prediction is an upper bound of the measured peak, and not a loose one."""
+    pytest.importorskip("transformers")
+    from mhmoe.research.bench import CONFIGS, _peak_mb, _runner
+    from mhmoe.research.bench_peers import build_peer, peer_predicted_bytes
+
+    cfg, tokens, dev = CONFIGS["fgmoe"], 1024, torch.device("cuda")
+    layer = build_peer("hf_batched_mm", 768, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, 1024)
+    layer = layer.to(dev, torch.bfloat16)
+    x = torch.randn(tokens, 768, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for pass_ in ("fwd", "fwd_bwd"):
+        fn = _runner(layer, x, pass_)
+        fn()
+        peak = _peak_mb({"ms_peer": fn}, dev)["mb_peer"] * 2**20
+        want = peer_predicted_bytes("hf_batched_mm", 768, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, tokens,
+                                    torch.bfloat16, backward=pass_ == "fwd_bwd")
+        assert 0.6 * want <= peak <= 1.25 * want, (pass_, peak / 2**20, want / 2**20)

@@ -234,6 +234,40 @@ def _peak_mb(fns: dict[str, Callable[[], Any]], device: torch.device) -> dict[st
     return out
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can still get: on CUDA the driver's free memory plus what the caching
+    allocator holds unused; on CPU ``MemAvailable`` of /proc/meminfo (None where unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+MEMORY_HEADROOM = 0.9  # a peer may use at most this fraction of the free memory (the allocator fragments)
+
+
+def skipped_peers(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, pass_: str,
+                  peers: tuple[str, ...], free: int | None) -> dict[str, str]:
+    """{peer: why} for the peers whose predicted memory for this pass exceeds the free memory."""
+    from mhmoe.research.bench_peers import peer_predicted_bytes
+
+    out = {}
+    for name in peers:
+        need = peer_predicted_bytes(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, tokens, dtype,
+                                    backward=pass_ == "fwd_bwd")
+        if need is not None and free is not None and need > MEMORY_HEADROOM * free:
+            out[name] = (f"skipped: predicted {need / 2**30:.1f} GiB for {pass_} > {MEMORY_HEADROOM:.0%} of "
+                         f"{free / 2**30:.1f} GiB free (it gathers the expert weights per routed slot)")
+    return out
+
+
 def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: torch.device, with_loop: bool,
                 peers: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], dict[str, torch.nn.Module], int]:
     """(our layers by impl, references and peers by name, the layer's forward FLOPs)."""
@@ -277,7 +311,13 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
                                "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": ref_flops}
         fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
+        skipped = skipped_peers(cfg, tokens, dtype, device, pass_, tuple(n[5:] for n in refs if n.startswith("peer_")),
+                                free_memory_bytes(device))
+        if skipped:
+            row["peer_skipped"] = skipped
         for name, m in refs.items():  # peers in bf16: under autocast (fp32 weights)
+            if name[5:] in skipped and name.startswith("peer_"):
+                continue
             run = _runner(m, x, pass_)
             fns[f"ms_{name}"] = _autocast(run, device, dtype) if _autocast_peer(name) and dtype != torch.float32 \
                 else run
