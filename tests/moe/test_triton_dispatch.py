@@ -28,8 +28,10 @@ from mhmoe.moe.reference import loop_moe  # noqa: E402
 from mhmoe.moe.routers import RouterOutput  # noqa: E402
 
 kernels = importlib.import_module("mhmoe.moe.dispatch.triton.kernels")
+launch = importlib.import_module("mhmoe.moe.dispatch.triton.launch")
 if not CUDA and not kernels.INTERPRETED:  # imported compiled before this module set the variable
     kernels = importlib.reload(kernels)
+    launch = importlib.reload(launch)
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -108,6 +110,38 @@ def test_matches_oracle_fp32(S, E, K, D, Fh, ffn, kw):
     assert torch.equal(route.weights.grad[~route.valid], torch.zeros_like(route.weights.grad[~route.valid]))
     if kw.get("skew", 0) >= 4.0:
         assert empty.any()
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 7])
+def test_separate_dx_pass_matches_oracle(case, monkeypatch):
+    """The input gradient through act_bwd + dx (two passes: experts wider than the fused act_dx pass
+    takes) instead of act_dx."""
+    from mhmoe.moe.dispatch.triton import ops
+
+    monkeypatch.setattr(ops, "fuse_dx", lambda d: False)
+    S, E, K, D, Fh, ffn, kw = CASES[case]
+    experts, x, route = _setup(S, E, K, D, Fh, ffn, seed=S * 100 + E, **kw)
+    got, g_got = _grads(triton_moe, x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    _close(got, want, name="out")
+    for name, a, b in zip(["x", "weights", *dict(experts.named_parameters())], g_got, g_want, strict=True):
+        _close(a, b, name=f"d{name}")
+
+
+def test_widths_are_padded_to_aligned_strides(monkeypatch):
+    """Unaligned D and F run padded to multiples of 16 (zero columns/rows): the kernels see aligned widths,
+    the results are exact and have the caller's shapes."""
+    seen = []
+    real = launch.up_forward
+    monkeypatch.setattr(launch, "up_forward", lambda x, w1, *a, **k: seen.append((x.shape[1], w1.shape[2]))
+                        or real(x, w1, *a, **k))
+    experts, x, route = _setup(21, 3, 2, 12, 20, "swiglu", seed=2)
+    got, g_got = _grads(triton_moe, x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    assert seen == [(16, 32)] and got.shape == x.shape
+    for a, b in zip([got, *g_got], [want, *g_want], strict=True):
+        assert a.shape == b.shape
+        _close(a, b)
 
 
 @pytest.mark.parametrize("ffn", ["swiglu", "relu"])
@@ -195,19 +229,21 @@ def test_route_plan_tiles_cover_every_row_once():
     S, K, E, M = 61, 3, 9, 8
     experts = torch.randint(0, E - 2, (S, K), generator=gen)  # experts E-2, E-1 get no rows
     valid = torch.rand(S, K, generator=gen) > 0.25
-    plan = kernels.route_plan(experts, valid, E, block_m=M)
+    plan = launch.route_plan(experts, valid, E, (M, 2 * M))
     key = torch.where(valid, experts, E).reshape(-1)
     counts = torch.bincount(key, minlength=E + 1)[:E]
     assert torch.equal((plan.ends - plan.starts).long(), counts)
     assert torch.equal(key[plan.order.long()].sort().values, key[plan.order.long()])  # grouped by expert
-    assert len(plan.tile_expert) == kernels.n_tiles(S * K, E, M) >= int((counts + M - 1).div(M).sum())
-    seen = torch.zeros(S * K, dtype=torch.long)
-    for e, r in zip(plan.tile_expert.tolist(), plan.tile_row.tolist(), strict=True):
-        if e < E:
-            rows = torch.arange(r, min(r + M, int(plan.ends[e])))
-            assert len(rows) and (key[plan.order[rows].long()] == e).all()
-            seen[rows] += 1
-    assert torch.equal(seen, (torch.arange(S * K) < int(counts.sum())).long())
+    assert set(plan.tiles) == {M, 2 * M}
+    for bm, (tile_expert, tile_row) in plan.tiles.items():
+        assert len(tile_expert) == launch.n_tiles(S * K, E, bm) >= int((counts + bm - 1).div(bm).sum())
+        seen = torch.zeros(S * K, dtype=torch.long)
+        for e, r in zip(tile_expert.tolist(), tile_row.tolist(), strict=True):
+            if e < E:
+                rows = torch.arange(r, min(r + bm, int(plan.ends[e])))
+                assert len(rows) and (key[plan.order[rows].long()] == e).all()
+                seen[rows] += 1
+        assert torch.equal(seen, (torch.arange(S * K) < int(counts.sum())).long())
 
 
 def test_unsupported_experts_fall_back():

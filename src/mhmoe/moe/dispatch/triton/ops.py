@@ -63,9 +63,12 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as nnf
 from torch import Tensor
 
 from mhmoe.errors import ConfigError
+from mhmoe.moe.dispatch.precision import compute_dtype
+from mhmoe.moe.dispatch.triton.tiles import fuse_dx, padded
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -81,10 +84,10 @@ def triton_available() -> bool:
     return True
 
 
-def _kernels():
-    from . import kernels
+def _launch():
+    from . import launch
 
-    return kernels
+    return launch
 
 
 def _interpreted() -> bool:
@@ -95,18 +98,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def _unsupported(x: Tensor, experts: GroupedExperts) -> str | None:
     if experts.quantized:
         return "quantized (bitnet158) experts"
     if any(b is not None for b in (experts.b1, experts.b2, experts.b3)):
         return "experts with biases"
-    if _compute_dtype(x) not in _DTYPES:
-        return f"compute dtype {_compute_dtype(x)}"
+    if compute_dtype(x) not in _DTYPES:
+        return f"compute dtype {compute_dtype(x)}"
     if x.device.type == "cpu" and not _interpreted():
         return "CPU tensors outside the Triton interpreter (TRITON_INTERPRET=1)"
     if x.device.type not in ("cpu", "cuda"):
@@ -125,7 +123,7 @@ class _TritonMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, plan,
                 valid: Tensor) -> Tensor:
-        k = _kernels()
+        k = _launch()
         h1, h3, _ = k.up_forward(x, w1, w3, plan, store_pre=True)
         out = k.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
         ctx.save_for_backward(x, weights, w1, w2, w3, h1, h3)
@@ -134,23 +132,47 @@ class _TritonMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        k = _kernels()
         x, weights, w1, w2, w3, h1, h3 = ctx.saved_tensors
-        plan = ctx.plan
-        need_x, need_w, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:5]
+        grads = expert_backward(dout.to(h1.dtype), x, weights, w1, w2, w3, h1, h3, ctx.valid, ctx.plan,
+                                ctx.needs_input_grad[:5])
+        return *grads, None, None
+
+
+def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor,
+                    h3: Tensor | None, valid: Tensor, plan, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """(dx, dweights, dW1, dW2, dW3), None where ``needs`` (x, weights, w1, w2, w3) is False. With D up to
+    ``DX_FUSE_MAX`` the input gradient comes out of the act_bwd pass itself (act_dx: the hidden gradients are
+    written once, for the weight gradients, and never read back for dx)."""
+    k = _launch()
+    need_x, need_w, need_w1, need_w2, need_w3 = needs
+    dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
+    if need_x and fuse_dx(w1.shape[1]):
+        gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
+                                             store_dh=need_w1 or need_w3, need_dw=need_w)
+    else:
         need_dh = need_x or need_w1 or need_w3
-        dout = dout.to(h1.dtype)
-        dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-        if need_w2:
-            gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
         if need_dh or need_w:
             dh1, dh3, dw = k.act_backward(dout, w2, weights, h1, h3, plan, need_dh, need_w)
-        if need_w1 or need_w3:
-            gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
         if need_x:
-            gx = k.dx_backward(dh1, dh3, w1, w3, ctx.valid, plan)
-        dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
-        return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None, None, None
+            gx = k.dx_backward(dh1, dh3, w1, w3, valid, plan)
+    if need_w1 or need_w3:
+        gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
+    if need_w2:
+        gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
+    dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
+    return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None
+
+
+def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, ...]:
+    """x [S, D] and the weights with D and F zero-padded to multiples of ALIGN (differentiable): every
+    row stride is then 16-element aligned, which the kernels' pipelined (cp.async) loads need. Zero
+    columns give zero hidden units (silu(0) * 0 = relu(0) = 0) that meet zero rows of W2: exact."""
+    D, F = w1.shape[1], w1.shape[2]
+    pd, pf = padded(D) - D, padded(F) - F
+    if not (pd or pf):
+        return x, w1, w2, w3
+    pad_in = lambda w: None if w is None else nnf.pad(w, (0, pf, 0, pd))  # noqa: E731 -- [E, D, F]
+    return nnf.pad(x, (0, pd)), pad_in(w1), nnf.pad(w2, (0, pd, 0, pf)), pad_in(w3)
 
 
 def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
@@ -164,20 +186,23 @@ def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     why = _unsupported(x, experts)
     if why is not None:
         raise ConfigError("model.moe.impl", "triton", f"grouped_mm | sorted for {why}")
-    dt = _compute_dtype(x)
+    dt = compute_dtype(x)
     S, K = route.experts.shape
     if x.numel() == 0 or S == 0:
         return x.new_zeros(x.shape, dtype=dt)
-    k = _kernels()
-    plan = k.route_plan(route.experts, route.valid, experts.n_experts)
-    x = x.to(dt)
+    k = _launch()
+    D = x.shape[1]
     w1, w2, w3 = (None if w is None else w.to(dt) for w in (experts.w1, experts.w2, experts.w3))
     if w3 is not None and w3.stride() != w1.stride():
         w3 = w3.contiguous()
         w1 = w1.contiguous()
+    xp, w1, w2, w3 = _pad_widths(x.to(dt), w1, w2, w3)
+    plan = k.route_plan(route.experts, route.valid, experts.n_experts, k.plan_block_ms(dt))
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (x, route.weights, w1, w2, w3))
+                                            for t in (xp, route.weights, w1, w2, w3))
     if grads:
-        return _TritonMoE.apply(x, route.weights, w1, w2, w3, plan, route.valid)
-    _, _, act = k.up_forward(x, w1, w3, plan, store_pre=False)
-    return k.down_forward(act, None, w2, route.weights, route.valid, plan, "none")
+        out = _TritonMoE.apply(xp, route.weights, w1, w2, w3, plan, route.valid)
+    else:
+        _, _, act = k.up_forward(xp, w1, w3, plan, store_pre=False)
+        out = k.down_forward(act, None, w2, route.weights, route.valid, plan, "none")
+    return out if out.shape[1] == D else out[:, :D]
