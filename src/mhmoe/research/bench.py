@@ -10,9 +10,9 @@ References in every row:
   its matmul FLOPs equal to the MoE layer's: tensor-core friendly, as a real dense model would be. FLOPs
   are the analytic count of :mod:`mhmoe.config.flops` (experts for the routed sub-tokens, head/merge,
   router), a property of the layer and so the same for every path: PyTorch's FlopCounterMode has no
-  formula for ``torch._grouped_mm`` and counts padded rows, so it would give each path another number. Its time is reported as
-  measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs (``ms_dense_norm``);
-  ``ratio_dense`` = ms_dense_norm / ms_ours.
+  formula for ``torch._grouped_mm`` and counts padded rows, so it would give each path another number.
+  Its time is reported as measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs
+  (``ms_dense_norm``); ``ratio_dense`` = ms_dense_norm / ms_ours.
 - ``floor``: the expert GEMMs alone -- every expert gets the same number of rows (the routed rows /
   E), run as batched GEMMs on pre-gathered blocks: no router, no dispatch, no combine, no head/merge.
 - peers (:mod:`mhmoe.research.bench_peers`): HF transformers' Qwen3-MoE block with each of its experts

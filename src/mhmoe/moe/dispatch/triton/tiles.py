@@ -22,7 +22,7 @@ from dataclasses import dataclass
 ROW_KERNELS = ("up_fwd", "down_fwd", "act_bwd", "dx", "act_dx")
 WGRAD_KERNELS = ("wgrad_up", "wgrad_down")
 KERNELS = ROW_KERNELS + WGRAD_KERNELS
-H100_SMEM = 227 * 1024  # bytes of shared memory one block may use on sm_90 (cudaFuncAttributeMaxDynamicSharedMemorySize)
+H100_SMEM = 227 * 1024  # bytes of shared memory one block may opt in to on sm_90
 PART = 64  # hidden units per partial sum of the routing-weight gradient in act_bwd (divides every BN)
 DX_FUSE_MAX = 256  # act_dx (dx fused into act_bwd) keeps a [BM, next_pow2(D)] fp32 accumulator: D up to this
 ALIGN = 16  # widths are padded to multiples of this many elements (16-byte-divisible strides, pipelined loads)
