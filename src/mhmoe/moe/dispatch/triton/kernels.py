@@ -389,14 +389,15 @@ def _act_dx_kernel(
     dw_ptr,  # out (NEED_DW): [SK] fp32 routing-weight gradients by slot
     dx_ptr,  # out: [SK, D] by slot ([S, D] by token when K = 1)
     D, F, K, E,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
     GATED: tl.constexpr, STORE_DH: tl.constexpr, NEED_DW: tl.constexpr, PREC: tl.constexpr,
 ):
-    """act_bwd and dx in one pass for one tile of BM rows (D <= DP, a power of two): for every BN-wide
-    slice of the hidden units, G = dout[tok] W2[e]^T (reduction over D), the SwiGLU / ReLU backward gives
-    dh1, dh3 (stored for the weight gradient when STORE_DH), and dx += dh1 W1[e]^T + dh3 W3[e]^T into a
-    [BM, DP] fp32 accumulator -- so the hidden gradients are never read back for dx. The routing-weight
-    gradient <act, G> is summed over all hidden units in registers and written once per slot."""
+    """act_bwd and dx in one pass over the hidden units for one tile of BM rows (D <= DP, a power of two).
+    The tile's dout rows [BM, DP] are loaded once; for every BN-wide slice of the hidden units:
+    G = dout W2[e]^T (one MMA, reduction over D), the SwiGLU / ReLU backward gives dh1, dh3 (stored for the
+    weight gradients when STORE_DH), and dx += [dh1 | dh3] [W1[e]^T ; W3[e]^T] (one MMA over 2 BN, the two
+    operands interleaved) into a [BM, DP] fp32 accumulator -- the hidden gradients are never read back for
+    dx. The routing-weight gradient <act, G> is summed over all hidden units in registers, written once."""
     pid_t = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid_t)
     if e >= E:
@@ -405,53 +406,50 @@ def _act_dx_kernel(
     rows = row0 + tl.arange(0, BM)
     rmask = rows < tl.load(ends_ptr + e)
     slot = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    tok = slot // K
     e64 = e.to(tl.int64)
     w = tl.load(weights_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-    ks = tl.arange(0, BK)
     dcols = tl.arange(0, DP)
     dmask = dcols < D
-    a_base = dout_ptr + tok[:, None] * sd_s
     dt = h1_ptr.dtype.element_ty
+    a = tl.load(dout_ptr + (slot // K)[:, None] * sd_s + dcols[None, :] * sd_d, mask=rmask[:, None] & dmask[None, :],
+                other=0.0)  # dout rows gathered by token, once
     dx = tl.zeros((BM, DP), dtype=tl.float32)
     dw = tl.zeros((BM,), dtype=tl.float32)
     for f0 in range(0, F, BN):
         cols = f0 + tl.arange(0, BN)
         cmask = cols < F
-        b_base = e64 * s2_e + cols[None, :] * s2_f  # W2[e]^T: element (d, f) at f*s2_f + d*s2_d
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            kk = k0 + ks
-            kmask = kk < D
-            a = tl.load(a_base + kk[None, :] * sd_d, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w2_ptr + b_base + kk[:, None] * s2_d, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = _mma(a, b, acc, PREC)
+        b = tl.load(w2_ptr + e64 * s2_e + (cols[None, :] * s2_f + dcols[:, None] * s2_d),
+                    mask=dmask[:, None] & cmask[None, :], other=0.0)  # W2[e]^T slice [DP, BN]
+        acc = _mma(a, b, tl.zeros((BM, BN), dtype=tl.float32), PREC)
         hid = rows.to(tl.int64)[:, None] * F + cols[None, :]
         hmask = rmask[:, None] & cmask[None, :]
         h1 = tl.load(h1_ptr + hid, mask=hmask, other=0.0).to(tl.float32)
         da = acc * w[:, None]
-        wt = e64 * sw_e + dcols[None, :] * sw_d + cols[:, None] * sw_f  # W^T slice [BN, DP]: (f, d) at d*sw_d + f*sw_f
+        wt = e64 * sw_e + (dcols[None, :] * sw_d + cols[:, None] * sw_f)  # W^T slice [BN, DP]: (f, d) at d*sw_d + f*sw_f
         wmask = cmask[:, None] & dmask[None, :]
         if GATED:
             h3 = tl.load(h3_ptr + hid, mask=hmask, other=0.0).to(tl.float32)
             sig = 1.0 / (1.0 + tl.exp(-h1))
             silu = h1 * sig
-            act = silu * h3
+            if NEED_DW:
+                dw += tl.sum(silu * h3 * acc, axis=1)
             g1 = _to(da * h3 * sig * (1.0 + h1 * (1.0 - sig)), dt)
             g3 = _to(da * silu, dt)
             if STORE_DH:
                 tl.store(dh1_ptr + hid, g1, mask=hmask)
                 tl.store(dh3_ptr + hid, g3, mask=hmask)
-            dx = _mma(g1, tl.load(w1_ptr + wt, mask=wmask, other=0.0), dx, PREC)
-            dx = _mma(g3, tl.load(w3_ptr + wt, mask=wmask, other=0.0), dx, PREC)
+            ga = tl.reshape(tl.join(g1, g3), (BM, 2 * BN))  # column 2 f + j: dh1 (j = 0), dh3 (j = 1)
+            wb = tl.reshape(tl.permute(tl.join(tl.load(w1_ptr + wt, mask=wmask, other=0.0),
+                                               tl.load(w3_ptr + wt, mask=wmask, other=0.0)), (0, 2, 1)),
+                            (2 * BN, DP))  # row 2 f + j: W1[e]^T (j = 0), W3[e]^T (j = 1)
+            dx = _mma(ga, wb, dx, PREC)
         else:
-            act = tl.maximum(h1, 0.0)
+            if NEED_DW:
+                dw += tl.sum(tl.maximum(h1, 0.0) * acc, axis=1)
             g1 = _to(tl.where(h1 > 0.0, da, 0.0), dt)
             if STORE_DH:
                 tl.store(dh1_ptr + hid, g1, mask=hmask)
             dx = _mma(g1, tl.load(w1_ptr + wt, mask=wmask, other=0.0), dx, PREC)
-        if NEED_DW:
-            dw += tl.sum(act * acc, axis=1)
     if NEED_DW:
         tl.store(dw_ptr + slot, dw, mask=rmask)
     tl.store(dx_ptr + slot[:, None] * D + dcols[None, :], _to(dx, dx_ptr.dtype.element_ty),

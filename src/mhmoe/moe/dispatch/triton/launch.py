@@ -32,8 +32,8 @@ PART_UNITS = INTERP["act_bwd"].bn if INTERPRETED else PART  # hidden units per r
 JIT = {"up_fwd": K_._up_fwd_kernel, "down_fwd": K_._down_fwd_kernel, "act_bwd": K_._act_bwd_kernel,
        "dx": K_._dx_kernel, "act_dx": K_._act_dx_kernel, "wgrad_up": K_._wgrad_up_kernel,
        "wgrad_down": K_._wgrad_down_kernel}
-TILE_NAMES = {k: ("BN", "BK") for k in ("up_fwd", "down_fwd", "act_bwd", "dx", "act_dx")} | {
-    "wgrad_up": ("BM", "BN", "BK"), "wgrad_down": ("BM", "BN", "BK")}
+TILE_NAMES = {k: ("BN", "BK") for k in ("up_fwd", "down_fwd", "act_bwd", "dx")} | {
+    "act_dx": ("BN",), "wgrad_up": ("BM", "BN", "BK"), "wgrad_down": ("BM", "BN", "BK")}
 
 
 def dkey(dtype: torch.dtype) -> str:
@@ -81,7 +81,7 @@ def _build_launchers() -> dict[tuple[str, str], tuple[Any, dict[str, Any]]]:
     """(kernel, dtype) -> (launchable, fixed kwargs)."""
     out = {}
     for name, fn in JIT.items():
-        for dt in ("bf16", "fp32"):
+        for dt in ("bf16", "fp32") if INTERPRETED else CONFIGS[name]:  # interpreted: every path testable
             if INTERPRETED:
                 t = INTERP[name]
                 out[name, dt] = fn, tile_kwargs(name, t)
@@ -194,7 +194,8 @@ def route_plan(experts: Tensor, valid: Tensor, n_experts: int, block_ms: tuple[i
 
 def plan_block_ms(dtype: torch.dtype) -> tuple[int, ...]:
     """The row-tile sizes of the row-tiled kernels in ``dtype`` (one tile table each)."""
-    return tuple(sorted({block_m(k, dkey(dtype), INTERPRETED) for k in ROW_KERNELS}))
+    dt = dkey(dtype)
+    return tuple(sorted({block_m(k, dt, INTERPRETED) for k in ROW_KERNELS if dt in CONFIGS[k]}))
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -146,7 +146,7 @@ def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Te
     k = _launch()
     need_x, need_w, need_w1, need_w2, need_w3 = needs
     dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-    if need_x and fuse_dx(w1.shape[1]):
+    if need_x and fuse_dx(w1.shape[1], str(h1.dtype)):
         gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
                                              store_dh=need_w1 or need_w3, need_dw=need_w)
     else:

@@ -49,23 +49,23 @@ CONFIGS: dict[str, dict[str, list[Tile]]] = {
     "up_fwd": {"bf16": _t((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 32, 8, 4)),
                "fp32": _t((64, 64, 32, 4, 3))},
     # N = D, reduction over F (activation recomputed from h1, h3 on load)
-    "down_fwd": {"bf16": _t((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3)),
+    "down_fwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4)),
                  "fp32": _t((64, 64, 32, 4, 3))},
     # N = F, reduction over D; epilogue: SwiGLU backward, routing-weight partials
-    "act_bwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 32, 8, 4)),
-                "fp32": _t((64, 64, 32, 4, 3))},
+    "act_bwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 64, 32, 8, 4), (128, 128, 32, 8, 3)),
+                "fp32": _t((64, 64, 32, 8, 3))},
     # N = D, reduction over F (dh1 W1^T + dh3 W3^T)
     "dx": {"bf16": _t((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)),
            "fp32": _t((64, 64, 32, 4, 3))},
-    # act_bwd and dx in one pass over F per row tile (D <= DX_FUSE_MAX): BN hidden units per step
-    "act_dx": {"bf16": _t((64, 64, 64, 8, 3), (64, 64, 32, 8, 4), (64, 128, 32, 8, 3)),
-               "fp32": _t((64, 32, 32, 8, 2))},
+    # act_bwd and dx in one pass over F per row tile (D <= DX_FUSE_MAX): BN hidden units per step, one MMA
+    # each over D (the tile's dout rows are loaded once) and over 2 BN (BK unused)
+    "act_dx": {"bf16": _t((64, 32, 0, 8, 3), (64, 32, 0, 8, 2))},  # bf16 only (fp32 operands spill)
     # output tile [BM of D, BN of F], reduction over an expert's rows
     "wgrad_up": {"bf16": _t((128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 3), (256, 64, 32, 8, 3)),
                  "fp32": _t((64, 64, 32, 4, 3))},
     # output tile [BM of F, BN of D], reduction over an expert's rows
     "wgrad_down": {"bf16": _t((128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 3), (64, 256, 32, 8, 3)),
-                   "fp32": _t((64, 64, 32, 4, 3))},
+                   "fp32": _t((64, 64, 32, 8, 3))},
 }
 # under the Triton interpreter (CPU tests): one small config, several tiles per expert and masked edges
 INTERP: dict[str, Tile] = {k: Tile(16, 32, 32, 4, 1) for k in ROW_KERNELS} | {
@@ -81,7 +81,7 @@ def block_m(kernel: str, dtype: str, interpreted: bool = False) -> int:
     """Rows per tile of a row-tiled kernel (the tile table is built for it)."""
     if interpreted:
         return INTERP[kernel].bm
-    (bm,) = {t.bm for t in CONFIGS[kernel][dtype_key(dtype)]}
+    (bm,) = {t.bm for t in CONFIGS[kernel].get(dtype_key(dtype), CONFIGS[kernel]["bf16"])}
     return bm
 
 
@@ -89,9 +89,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def fuse_dx(d: int) -> bool:
-    """Whether the input gradient is computed inside the act_bwd pass (act_dx) for expert width ``d``."""
-    return next_pow2(d) <= DX_FUSE_MAX
+def fuse_dx(d: int, dtype: str) -> bool:
+    """Whether the input gradient is computed inside the act_bwd pass (act_dx) for expert width ``d`` in
+    ``dtype`` (bf16 only: the fp32 dout rows and dx accumulator do not fit the registers without spills)."""
+    return dtype_key(dtype) in CONFIGS["act_dx"] and next_pow2(d) <= DX_FUSE_MAX
 
 
 def padded(n: int) -> int:
@@ -112,8 +113,9 @@ def smem_bytes(kernel: str, t: Tile, item: int, gated: bool = True, d: int = 256
         per_stage, once = a + b, 0
     elif kernel == "dx":
         per_stage, once = g * (a + b), 0
-    elif kernel == "act_dx":
-        per_stage, once = a + b, g * t.bn * next_pow2(d) + t.bm * t.bn  # W1|W3 panels [BN, D]; dh staged
+    elif kernel == "act_dx":  # per step: W2^T [D, BN], W1^T|W3^T [BN, D], h1|h3 [BM, BN]; dout [BM, D] once
+        dp = next_pow2(d)
+        per_stage, once = (1 + g) * t.bn * dp + g * t.bm * t.bn, t.bm * dp
     elif kernel == "wgrad_up":
         per_stage, once = a + g * b, 0
     elif kernel == "wgrad_down":
