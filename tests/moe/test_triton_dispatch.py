@@ -100,7 +100,7 @@ def fused(request, monkeypatch):
     default for D <= 256) and the two passes act_bwd + dx (fp32, wider experts)."""
     from mhmoe.moe.dispatch.triton import ops
 
-    monkeypatch.setattr(ops, "fuse_dx", lambda d, dtype: request.param)
+    monkeypatch.setattr(ops, "fuse_dx", lambda d, dtype, enabled=None: request.param)
     return request.param
 
 

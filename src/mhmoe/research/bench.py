@@ -327,8 +327,33 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         if device.type == "cuda":
             row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
         _summarise(row, layers, refs, errors, flops / ref_flops)
+        row.update(predictions(cfg, tokens, dtype, pass_, row["dense_hidden"], device))
         rows.append(row)
     return rows
+
+
+def predictions(cfg: BenchConfig, tokens: int, dtype: torch.dtype, pass_: str, dense_hidden: int,
+                device: torch.device) -> dict[str, Any]:
+    """The traffic model's predicted ms (:mod:`mhmoe.research.traffic`) of the Triton path and of the dense
+    reference, with the L2 bound and without it (``*_no_l2``), on a GPU the model knows; {} elsewhere."""
+    from mhmoe.research.traffic import dense_prediction, device_for, layer_prediction, without_l2
+
+    dev = device_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if dev is None:
+        return {}
+    dt = "bf16" if dtype == torch.bfloat16 else ("tf32" if _tf32() else "fp32")
+    out: dict[str, Any] = {"pred_device": dev.name}
+    for suffix, d in (("", dev), ("_no_l2", without_l2(dev))):
+        out[f"pred_ms_triton{suffix}"] = layer_prediction(tokens, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k,
+                                                          cfg.heads, dt, pass_, d)["layer_ms"]
+        out[f"pred_ms_dense{suffix}"] = dense_prediction(tokens, D_MODEL, dense_hidden, dt, pass_, d)
+    return out
+
+
+def _tf32() -> bool:
+    from mhmoe.moe.dispatch.precision import cuda_matmul_tf32
+
+    return cuda_matmul_tf32()
 
 
 def _summarise(row: dict[str, Any], layers: dict, refs: dict, errors: dict[str, str], flop_ratio: float) -> None:
@@ -373,15 +398,22 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
     return {"machine": machine, "rows": rows}
 
 
+def _pred_range(row: dict, key: str) -> str:
+    """"lo-hi" ms of a prediction: without the L2 bound, with it."""
+    return "-" if key not in row else f"{row[key + '_no_l2']:.2f}-{row[key]:.2f}"
+
+
 def format_rows(result: dict) -> str:
     rows = result["rows"]
     refs = ("ours", "dense", "dense_norm", "loop", "floor")
     impls = sorted({k[3:] for r in rows for k in r
                     if k.startswith("ms_") and k[3:] not in refs and not k.startswith("ms_peer_")})
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
+    pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
             + ["ours ms", "loop ms", "dense ms", "dense/ours", "floor ms", "floor/ours", "loop/ours", "vs smoe"]
-            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")])
+            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
+            + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
@@ -389,9 +421,14 @@ def format_rows(result: dict) -> str:
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
                   fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
+        if pred:
+            cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]
         lines.append("| " + " | ".join(cells) + " |")
     m = result["machine"]
     gpu = f" ({m['gpu']})" if m.get("gpu") else ""
     lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}{gpu}; "
-                 "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs")
+                 "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs (analytic)"
+                 + ("; predicted = the traffic model (mhmoe.research.traffic) on "
+                    f"{next(r['pred_device'] for r in rows if 'pred_device' in r)}, without-L2 bound to "
+                    "with-L2 bound (unmeasured assumptions)" if pred else ""))
     return "\n".join(lines)

@@ -18,14 +18,18 @@ Per kernel three quantities (routing assumed balanced: N / E rows per expert):
 
 Time = max(flops / (peak x mma_eff), hbm / (hbm_bw x mem_eff), l2 / (l2_bw x mem_eff)) + one launch
 overhead; the autotuner is emulated by taking each kernel's candidate config with the least predicted
-time. Not modelled: wave quantisation, imbalance between experts, the routing glue (sort and tile table,
-~N int32 passes), register or bank-conflict stalls.
+time. The dense reference is modelled the same way (cuBLAS-like 128 x 256 tiles, no cluster multicast).
+The L2 -> SM bandwidth is the least known number (no data sheet gives it; 5.5 TB/s is a third-party
+microbenchmark of H100), so every prediction comes in two variants: with that L2 bound and without any
+(``l2=False``: DRAM and tensor cores only) -- the truth should lie between them. Not modelled: wave
+quantisation, imbalance between experts, the routing glue (sort and tile table, ~N int32 passes),
+register or bank-conflict stalls.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mhmoe.moe.dispatch.triton.tiles import CONFIGS, Tile, fuse_dx, next_pow2, padded
 
@@ -49,13 +53,18 @@ class Device:
 H100_SXM = Device("H100 SXM", 989.4, 494.7, 66.9, 3.35, 5.5)
 DEVICES = {"H100": H100_SXM, "H200": Device("H200", 989.4, 494.7, 66.9, 4.8, 5.5)}
 
+
+def without_l2(dev: Device) -> Device:
+    """The same device with no L2 bound (DRAM and tensor cores only): the optimistic variant."""
+    return replace(dev, l2_tbs=0.0)
+
 # the configs of the design before the Hopper rework (64-row tiles everywhere, act_bwd and dx separate),
 # kept to quote the model's before/after numbers
+_UP = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 32, 4, 4))
+_DOWN = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 8, 4))
 LEGACY: dict[str, dict[str, list[Tile]]] = {
-    "up_fwd": {"bf16": [Tile(64, bn, bk, w, s) for bn, bk, w, s in
-                        ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 32, 4, 4))]},
-    "down_fwd": {"bf16": [Tile(64, bn, bk, w, s) for bn, bk, w, s in
-                          ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3), (128, 64, 8, 4))]},
+    "up_fwd": {"bf16": [Tile(64, bn, bk, w, s) for bn, bk, w, s in _UP]},
+    "down_fwd": {"bf16": [Tile(64, bn, bk, w, s) for bn, bk, w, s in _DOWN]},
     "wgrad": {"bf16": [Tile(*r) for r in ((64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3),
                                           (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4))]},
 }
@@ -102,7 +111,7 @@ class Shape:
 def _time(dev: Device, flops: float, l2: float, hbm: float, dtype: str) -> tuple[float, str]:
     peak = {"bf16": dev.bf16_tflops, "tf32": dev.tf32_tflops, "fp32": dev.fp32_tflops}[dtype]
     terms = {"mma": flops / (peak * 1e12 * dev.mma_eff), "hbm": hbm / (dev.hbm_tbs * 1e12 * dev.mem_eff),
-             "l2": l2 / (dev.l2_tbs * 1e12 * dev.mem_eff)}
+             "l2": l2 / (dev.l2_tbs * 1e12 * dev.mem_eff) if dev.l2_tbs else 0.0}
     bound = max(terms, key=terms.get)
     return terms[bound] * 1e6 + dev.launch_us, bound
 
@@ -181,50 +190,64 @@ def _ksum(sh: Shape, dev: Device) -> list[KernelCost]:
 
 
 def expert_kernels(sh: Shape, dtype: str = "bf16", dev: Device = H100_SXM, legacy: bool = False,
-                   pass_: str = "fwd_bwd") -> list[KernelCost]:
+                   pass_: str = "fwd_bwd", fused: bool | None = None) -> list[KernelCost]:
     """The kernels of one call of the Triton path, in launch order, each at its best config. ``dtype``:
-    bf16 | tf32 | fp32 (fp32 inputs with TF32 off); ``legacy``: the design before the Hopper rework."""
+    bf16 | tf32 | fp32 (fp32 inputs with TF32 off); ``legacy``: the design before the Hopper rework;
+    ``fused``: act_dx instead of act_bwd + dx (default: what the kernels run, ``tiles.fuse_dx``)."""
     cost = lambda k, train=True: best_config(k, sh, dtype, dev, legacy, train)  # noqa: E731
     if pass_ == "fwd":
         return [cost("up_fwd", train=False), cost("down_fwd", train=False), *_ksum(sh, dev)]
     out = [cost("up_fwd"), cost("down_fwd"), *_ksum(sh, dev)]
-    if not legacy and fuse_dx(sh.d, dtype):
+    if not legacy and fuse_dx(sh.d, dtype, fused):
         out += [cost("act_dx"), *_ksum(sh, dev)]
     else:
         out += [cost("act_bwd"), cost("dx"), *_ksum(sh, dev)]
     return out + [cost("wgrad_up"), cost("wgrad_down")]
 
 
-def dense_gemm_us(m: int, k: int, n: int, dev: Device, dtype: str = "bf16", item: int = 2) -> float:
-    """A plain GEMM [m, k] x [k, n] at the roofline (operands and result read/written once)."""
-    us, _ = _time(dev, 2 * m * k * n, 0.0, (m * k + k * n + m * n) * item, dtype)
+def dense_gemm_us(m: int, k: int, n: int, dev: Device, dtype: str = "bf16", item: int = 2,
+                  bm: int = 128, bn: int = 256) -> float:
+    """A plain GEMM [m, k] x [k, n] with BM x BN output tiles: A loaded once per column tile, B once per
+    row tile (L2 traffic); operands and result read/written once (DRAM)."""
+    l2 = (math.ceil(n / bn) * m * k + math.ceil(m / bm) * k * n + m * n) * item
+    us, _ = _time(dev, 2 * m * k * n, l2, (m * k + k * n + m * n) * item, dtype)
     return us
+
+
+def _elementwise_us(elements: float, passes: int, dev: Device, item: int) -> float:
+    """``passes`` streaming passes over ``elements`` elements (reads + writes) at DRAM bandwidth."""
+    return passes * elements * item / (dev.hbm_tbs * 1e12 * dev.mem_eff) * 1e6
 
 
 def layer_prediction(tokens: int, d_model: int, experts: int, d_expert: int, top_k: int, heads: int,
                      dtype: str = "bf16", pass_: str = "fwd_bwd", dev: Device = H100_SXM,
-                     legacy: bool = False) -> dict[str, float]:
-    """Predicted ms of one MoE layer on the Triton path (experts + head/merge projections + fp32 router
-    GEMM) and of the same-FLOPs aligned dense SwiGLU FFN (``dense_hidden`` wide), forward or forward +
-    backward (backward = 2 GEMMs per forward GEMM)."""
+                     legacy: bool = False, fused: bool | None = None) -> dict[str, float]:
+    """Predicted ms of one MoE layer on the Triton path, by part: the expert kernels, the head and merge
+    projections (MH-MoE), the router (an fp32 GEMM, TF32 off by default, plus ~10 element-wise passes over
+    the [S, E] fp32 scores: softmax, top-k, losses). Backward = 2 GEMMs per forward GEMM."""
     item = 2 if dtype == "bf16" else 4
     d = d_model // heads
     sh = Shape(tokens * heads, top_k, experts, padded(d), padded(d_expert), item)
-    kern = sum(c.us for c in expert_kernels(sh, dtype, dev, legacy, pass_))
+    kern = sum(c.us for c in expert_kernels(sh, dtype, dev, legacy, pass_, fused))
     mult = 1 if pass_ == "fwd" else 3
-    proj = 2 * dense_gemm_us(tokens, d_model, d_model, dev, dtype, item) if heads > 1 else 0.0
-    router = dense_gemm_us(tokens * heads, d, experts, dev, "fp32", 4)  # fp32 routing (TF32 off by default)
-    return {"experts_ms": kern / 1e3, "other_ms": mult * (proj + router) / 1e3,
-            "layer_ms": kern / 1e3 + mult * (proj + router) / 1e3}
+    proj = mult * 2 * dense_gemm_us(tokens, d_model, d_model, dev, dtype, item) if heads > 1 else 0.0
+    router = mult * dense_gemm_us(tokens * heads, d, experts, dev, "fp32", 4) + _elementwise_us(
+        tokens * heads * experts, 10 if pass_ == "fwd" else 20, dev, 4)
+    parts = {"experts_ms": kern / 1e3, "proj_ms": proj / 1e3, "router_ms": router / 1e3}
+    return {**parts, "layer_ms": sum(parts.values())}
 
 
 def dense_prediction(tokens: int, d_model: int, d_hidden: int, dtype: str = "bf16", pass_: str = "fwd_bwd",
                      dev: Device = H100_SXM) -> float:
-    """Predicted ms of the dense SwiGLU FFN (3 GEMMs forward, 6 more backward) on ``tokens`` tokens."""
+    """Predicted ms of the dense SwiGLU FFN as it runs in eager PyTorch (:class:`mhmoe.moe.experts.DenseFFN`):
+    3 GEMMs forward and 6 backward, plus the element-wise SwiGLU passes over [tokens, d_hidden] (silu, the
+    product: 5 reads/writes forward; their backward: 9 more)."""
     item = 2 if dtype == "bf16" else 4
     up = dense_gemm_us(tokens, d_model, d_hidden, dev, dtype, item)
     down = dense_gemm_us(tokens, d_hidden, d_model, dev, dtype, item)
-    return (1 if pass_ == "fwd" else 3) * (2 * up + down) / 1e3
+    fwd = pass_ == "fwd"
+    ew = _elementwise_us(tokens * d_hidden, 5 if fwd else 14, dev, item)
+    return ((1 if fwd else 3) * (2 * up + down) + ew) / 1e3
 
 
 def device_for(gpu_name: str | None) -> Device | None:

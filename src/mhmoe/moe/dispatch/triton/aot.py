@@ -74,8 +74,10 @@ class KernelReport:
         return out
 
 
-def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, scenario: str) -> list:
-    """The launches of one forward (and backward) of the op at ``shape``, recorded, not run (CPU tensors)."""
+def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, scenario: str,
+           fused: bool | None = None) -> list:
+    """The launches of one forward (and backward) of the op at ``shape``, recorded, not run (CPU tensors).
+    ``fused``: the act_dx backward on/off (default: as configured)."""
     from mhmoe.moe.dispatch.triton import launch as L
     from mhmoe.moe.dispatch.triton.ops import _pad_widths, expert_backward
 
@@ -97,7 +99,7 @@ def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, 
         else:
             h1, h3, _ = L.up_forward(x, w1, w3, plan, store_pre=True)
             L.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
-            expert_backward(torch.empty_like(x), x, weights, w1, w2, w3, h1, h3, valid, plan, needs)
+            expert_backward(torch.empty_like(x), x, weights, w1, w2, w3, h1, h3, valid, plan, needs, fused)
     return launches
 
 
@@ -126,7 +128,8 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     reg = re.search(r"REG:(\d+)", out)
     local = re.search(r"LOCAL:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
-    return int(reg.group(1)) if reg else -1, (int(local.group(1)) if local else 0) + (int(stack.group(1)) if stack else 0)
+    spill = (int(local.group(1)) if local else 0) + (int(stack.group(1)) if stack else 0)
+    return int(reg.group(1)) if reg else -1, spill
 
 
 def compile_launch(launch, tile: Tile | None, arch: int = 90) -> KernelReport:
@@ -175,8 +178,8 @@ def report(shapes: list[str] | None = None, dtypes: tuple[str, ...] = ("bf16", "
            progress=None) -> list[KernelReport]:
     """Compile every distinct (kernel, variant, specialisation) the given cases launch, in every candidate
     config of its kernel and dtype (fp32: with each tl.dot precision in ``precisions``)."""
-    from mhmoe.moe.dispatch.triton import launch as L
     from mhmoe.moe.dispatch.precision import cuda_matmul_tf32_set
+    from mhmoe.moe.dispatch.triton import launch as L
 
     if L.INTERPRETED:
         raise RuntimeError("the compile report needs the compiled kernels: unset TRITON_INTERPRET")
@@ -188,8 +191,10 @@ def report(shapes: list[str] | None = None, dtypes: tuple[str, ...] = ("bf16", "
             for shape in shapes or list(SHAPES):
                 for ffn in ffns:
                     for scen in scenarios or list(SCENARIOS):
-                        with cuda_matmul_tf32_set(prec == "tf32"):
-                            launches = record(SHAPES[shape], tdt[dt], ffn, scen)
+                        launches = []
+                        for fused in (False, True):  # both backward designs (act_dx is opt-in)
+                            with cuda_matmul_tf32_set(prec == "tf32"):
+                                launches += record(SHAPES[shape], tdt[dt], ffn, scen, fused)
                         for launch in launches:
                             tiles = [None] if launch.kernel == "ksum" else CONFIGS[launch.kernel][dt]
                             for tile in tiles:

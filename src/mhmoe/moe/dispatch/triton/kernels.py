@@ -425,7 +425,7 @@ def _act_dx_kernel(
         hmask = rmask[:, None] & cmask[None, :]
         h1 = tl.load(h1_ptr + hid, mask=hmask, other=0.0).to(tl.float32)
         da = acc * w[:, None]
-        wt = e64 * sw_e + (dcols[None, :] * sw_d + cols[:, None] * sw_f)  # W^T slice [BN, DP]: (f, d) at d*sw_d + f*sw_f
+        wt = e64 * sw_e + (dcols[None, :] * sw_d + cols[:, None] * sw_f)  # W^T slice [BN, DP]: (f, d)
         wmask = cmask[:, None] & dmask[None, :]
         if GATED:
             h3 = tl.load(h3_ptr + hid, mask=hmask, other=0.0).to(tl.float32)

@@ -139,14 +139,15 @@ class _TritonMoE(torch.autograd.Function):
 
 
 def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor,
-                    h3: Tensor | None, valid: Tensor, plan, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """(dx, dweights, dW1, dW2, dW3), None where ``needs`` (x, weights, w1, w2, w3) is False. With D up to
-    ``DX_FUSE_MAX`` the input gradient comes out of the act_bwd pass itself (act_dx: the hidden gradients are
-    written once, for the weight gradients, and never read back for dx)."""
+                    h3: Tensor | None, valid: Tensor, plan, needs: tuple[bool, ...],
+                    fused: bool | None = None) -> tuple[Tensor | None, ...]:
+    """(dx, dweights, dW1, dW2, dW3), None where ``needs`` (x, weights, w1, w2, w3) is False. Where
+    :func:`~mhmoe.moe.dispatch.triton.tiles.fuse_dx` says so (``fused``: override), the input gradient comes
+    out of the act_bwd pass itself (act_dx: the hidden gradients are never read back for dx)."""
     k = _launch()
     need_x, need_w, need_w1, need_w2, need_w3 = needs
     dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-    if need_x and fuse_dx(w1.shape[1], str(h1.dtype)):
+    if need_x and fuse_dx(w1.shape[1], str(h1.dtype), fused):
         gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
                                              store_dh=need_w1 or need_w3, need_dw=need_w)
     else:

@@ -17,6 +17,7 @@ shared memory :func:`fits` prunes the candidates by :func:`smem_bytes` before an
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 ROW_KERNELS = ("up_fwd", "down_fwd", "act_bwd", "dx", "act_dx")
@@ -25,6 +26,11 @@ KERNELS = ROW_KERNELS + WGRAD_KERNELS
 H100_SMEM = 227 * 1024  # bytes of shared memory one block may opt in to on sm_90
 PART = 64  # hidden units per partial sum of the routing-weight gradient in act_bwd (divides every BN)
 DX_FUSE_MAX = 256  # act_dx (dx fused into act_bwd) keeps a [BM, next_pow2(D)] fp32 accumulator: D up to this
+# act_dx is opt-in (MHMOE_TRITON_FUSE_DX=1) until a GPU measures it: it reads the hidden gradients once fewer
+# (less DRAM traffic) but runs 64-row tiles, so it loads every expert's three weight panels twice as often
+# as the 128-row act_bwd + dx (more L2 traffic); the traffic model (mhmoe.research.traffic) predicts it
+# faster if DRAM binds and slower if L2 does. benchmarks/triton_moe.py --bench times both.
+FUSE_DX = os.environ.get("MHMOE_TRITON_FUSE_DX", "0") == "1"
 ALIGN = 16  # widths are padded to multiples of this many elements (16-byte-divisible strides, pipelined loads)
 
 
@@ -52,7 +58,7 @@ CONFIGS: dict[str, dict[str, list[Tile]]] = {
     "down_fwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4)),
                  "fp32": _t((64, 64, 32, 4, 3))},
     # N = F, reduction over D; epilogue: SwiGLU backward, routing-weight partials
-    "act_bwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 64, 32, 8, 4), (128, 128, 32, 8, 3)),
+    "act_bwd": {"bf16": _t((128, 64, 64, 8, 4), (128, 64, 32, 8, 4), (128, 64, 64, 8, 3)),  # BN 128 spills
                 "fp32": _t((64, 64, 32, 8, 3))},
     # N = D, reduction over F (dh1 W1^T + dh3 W3^T)
     "dx": {"bf16": _t((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)),
@@ -89,10 +95,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def fuse_dx(d: int, dtype: str) -> bool:
+def fuse_dx(d: int, dtype: str, enabled: bool | None = None) -> bool:
     """Whether the input gradient is computed inside the act_bwd pass (act_dx) for expert width ``d`` in
-    ``dtype`` (bf16 only: the fp32 dout rows and dx accumulator do not fit the registers without spills)."""
-    return dtype_key(dtype) in CONFIGS["act_dx"] and next_pow2(d) <= DX_FUSE_MAX
+    ``dtype``: when enabled (default :data:`FUSE_DX`), for bf16 (the fp32 dout rows and dx accumulator do not
+    fit the registers without spills) and D up to :data:`DX_FUSE_MAX`."""
+    on = FUSE_DX if enabled is None else enabled
+    return on and dtype_key(dtype) in CONFIGS["act_dx"] and next_pow2(d) <= DX_FUSE_MAX
 
 
 def padded(n: int) -> int:
