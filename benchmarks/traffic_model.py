@@ -71,12 +71,16 @@ def layer_table(tokens: int, dtype: str) -> tuple[str, list[dict]]:
     return "\n".join(lines), rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per layer call")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "tf32", "fp32"], help="compute dtype")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out: dict = {"device": H100_SXM.__dict__, "tokens": args.tokens, "dtype": args.dtype, "kernels": []}
     for name in CONFIGS:
         text, rows = kernel_table(name, args.tokens, args.dtype)

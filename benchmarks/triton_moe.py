@@ -42,10 +42,10 @@ def _fused(fn):
     benchmark's fwd_bwd runs the backward inside the call."""
     from mhmoe.moe.dispatch.triton import tiles
 
-    def run(*args):
+    def run(*args, **kwargs):
         old, tiles.FUSE_DX = tiles.FUSE_DX, True
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             tiles.FUSE_DX = old
 
@@ -64,7 +64,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
     machine = machine_info(dev)
     print(machine)
     rows = []
-    fns = {"triton": triton_moe, "triton_act_dx": _fused(triton_moe), "grouped_mm": grouped_moe, "sorted": sorted_moe}
+    fns = {"triton": triton_moe, "triton_act_dx": triton_moe, "grouped_mm": grouped_moe, "sorted": sorted_moe}
     for S, K, E, D, F in SHAPES:
         torch.manual_seed(0)
         experts = GroupedExperts(E, D, F, init_std=D**-0.5).to(dev, dtype)
@@ -76,6 +76,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
         g = torch.randn(S, D, device=dev, dtype=dtype)
         fwd = {n: functools.partial(f, x, route, experts) for n, f in fns.items()}
         both = {n: functools.partial(_fwd_bwd, f, (x, route, experts), g) for n, f in fns.items()}
+        both["triton_act_dx"] = _fused(both["triton_act_dx"])  # the backward runs inside the call
         t_fwd, _ = time_fns(fwd, dev, repeats)
         t_both, _ = time_fns(both, dev, repeats)
         mem = {}
@@ -92,6 +93,51 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
                      **{f"ms_fwd_{n}": t_fwd[n] for n in fns}, **{f"ms_fwd_bwd_{n}": t_both[n] for n in fns},
                      **{f"mb_{n}": mem[n] for n in fns}})
     return {"machine": machine, "rows": rows}
+
+
+def warm(json_path: str | None) -> dict:
+    """Compile and autotune the Triton path at the benchmark shapes (the parity layers at 16,384 tokens, bf16
+    and fp32, forward without autograd and forward + backward; mh3 bf16 also with act_dx): the first calls,
+    timed. With a shared TRITON_CACHE_DIR (benchmarks/gpu_suite.py) later processes reuse the compiles."""
+    from mhmoe.moe.layers import build_ffn_layer
+    from mhmoe.research.bench import CONFIGS, D_MODEL
+
+    dev, rows = torch.device("cuda"), []
+    for name, cfg in CONFIGS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = build_ffn_layer(D_MODEL, cfg.moe_config("triton")).to(dev, dtype)
+            x = torch.randn(16384, D_MODEL, device=dev, dtype=dtype, requires_grad=True)
+            variants = {"fwd": False, "fwd_bwd": False} | ({"fwd_bwd_act_dx": True} if
+                                                           name == "mh3" and dtype == torch.bfloat16 else {})
+            def step(variant: str, layer=layer, x=x) -> None:
+                if variant == "fwd":
+                    with torch.no_grad():
+                        layer(x)
+                    return
+                out = layer(x)
+                (out.out.float().sum() + out.aux_loss).backward()
+
+            for variant, fused in variants.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                (_fused(step) if fused else step)(variant)
+                torch.cuda.synchronize()
+                rows.append({"config": name, "dtype": str(dtype).replace("torch.", ""), "variant": variant,
+                             "first_call_s": time.perf_counter() - t0})
+                print(rows[-1], flush=True)
+    result = {"machine": _machine(), "rows": rows}
+    if json_path:
+        import json
+
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _machine() -> dict:
+    from mhmoe.research.bench import machine_info
+
+    return machine_info(torch.device("cuda"))
 
 
 def aot(arch: int, quick: bool, check: bool, json_path: str | None) -> int:
@@ -120,22 +166,30 @@ def aot(arch: int, quick: bool, check: bool, json_path: str | None) -> int:
     return 1 if check and problems else 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--aot", action="store_true")
+    ap.add_argument("--warm", action="store_true", help="compile + autotune at the benchmark shapes (CUDA)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true", help="--aot: the CI subset (mh3 shape, SwiGLU, train + inference)")
     ap.add_argument("--check", action="store_true", help="--aot: exit 1 if a compile fails an H100")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", metavar="PATH", help="also write the rows / the compile report as JSON")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     rc = 0
     if args.aot:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             raise SystemExit("--aot needs the compiled kernels: unset TRITON_INTERPRET")
         rc = aot(args.arch, args.quick, args.check, args.json)
+    if args.warm:
+        warm(args.json)
     if args.bench:
         result = bench({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], args.repeats)
         if args.json:
@@ -143,7 +197,7 @@ def main() -> int:
 
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
-    if not (args.aot or args.bench):
+    if not (args.aot or args.bench or args.warm):
         ap.print_help()
     return rc
 
