@@ -328,3 +328,22 @@ class TestCUDA:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
         assert peaks[3] <= 1.1 * peaks[2], peaks
+
+
+def test_compiles_into_one_graph():
+    """Under torch.compile the Triton path is opaque custom ops (mhmoe::triton_moe_*): an MH-MoE layer's
+    training forward traces into one graph, in fp32 and under bf16 autocast."""
+    from mhmoe.config.moe import MoEConfig
+    from mhmoe.moe.layers import build_ffn_layer
+
+    torch.manual_seed(0)
+    layer = build_ffn_layer(48, MoEConfig(n_experts=4, top_k=2, d_expert=32, heads=3, head_layer=True,
+                                          merge_layer=True, impl="triton")).to(DEV).train()
+    x = torch.randn(2, 8, 48, device=DEV)
+    for bf16 in (False, True):
+        torch._dynamo.reset()
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=bf16):
+            ex = torch._dynamo.explain(layer)(x)
+        assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+        ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes}
+        assert any("triton_moe_train" in o for o in ops), ops

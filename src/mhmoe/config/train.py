@@ -39,6 +39,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = off
     dtype: str = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
     compile: bool = False  # torch.compile the model
+    # with compile, on CUDA: capture the compiled forward and backward as CUDA graphs (torch.compile mode
+    # "reduce-overhead"); the default paths have no host synchronisation, so the capture holds
+    cuda_graphs: bool = False
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch.set_num_threads on CPU (0 = torch default)
     seed: int = 1337
@@ -68,6 +71,8 @@ class TrainConfig:
         check(self.parallel in PARALLEL, "train.parallel", self.parallel, " | ".join(PARALLEL))
         check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
                "an integer >= 1 (1 = no expert parallelism)")
+        check(self.compile or not self.cuda_graphs, "train.cuda_graphs", self.cuda_graphs,
+              "false, or true together with train.compile=true (CUDA graphs capture the compiled model)")
         check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))

@@ -131,6 +131,22 @@ def check_single_process(run: RunConfig) -> None:
         raise ConfigError("train.ep", run.train.ep, "1 without torchrun (expert parallelism needs several processes)")
 
 
+def compiled(module: torch.nn.Module, enabled: bool, cuda_graphs: bool, device: torch.device):
+    """The model as the training step calls it: as is, ``torch.compile``d, or compiled with CUDA-graph capture
+    (mode "reduce-overhead": the forward and backward replay as graphs; CUDA only)."""
+    if not enabled:
+        return module
+    if cuda_graphs and device.type != "cuda":
+        raise ConfigError("train.cuda_graphs", True, f"false on {device.type} (CUDA graphs need a CUDA device)")
+    return torch.compile(module, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def _owned(stats: list[RoutingStats]) -> list[RoutingStats]:
+    """Copies of a forward's routing statistics: outputs of a CUDA-graph replay are overwritten by the next one."""
+    return [RoutingStats(s.counts.clone(), s.tokens.clone(), s.dropped.clone(), {k: v.clone() for k, v in
+                                                                                  s.losses.items()}) for s in stats]
+
+
 def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
     """The checkpoint's run config, with the launch properties (``launch_fields`` of ``train``,
     :data:`LAUNCH_DATA_FIELDS` of ``data``) of this command."""
@@ -162,7 +178,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
         self.state = self._restore()
         self.start = self.state.step
-        self.forward = torch.compile(self.module) if self.cfg.compile else self.module
+        self.forward = compiled(self.module, self.cfg.compile, self.cfg.cuda_graphs, par.device)
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
         self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
@@ -231,14 +247,17 @@ class Trainer:
         n = self.cfg.grad_accum
         lm = torch.zeros((), device=self.par.device)
         aux, routing = torch.zeros_like(lm), None
+        graphs = self.cfg.compile and self.cfg.cuda_graphs
         for micro in range(n):
             batch = self.task.micro_batch(step, micro, self.par.device)  # page-locked on CUDA: no wait
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # one forward + backward per replay
             with self.par.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.par.device, self.cfg.dtype):
                     out = self.task.forward(self.forward, batch)
                 ((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
-            routing = sum_routing(routing, out.routing)
+            routing = sum_routing(routing, _owned(out.routing) if graphs else out.routing)
         gnorm = self.par.finish_grads(self.model, self.cfg.grad_clip or math.inf, torch.isfinite(lm + aux))
         finite = torch.isfinite(gnorm)
         self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.cfg, step)

@@ -75,6 +75,7 @@ from mhmoe.moe.routers import RouterOutput
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+@torch.compiler.assume_constant_result  # a fact of the installation: torch.compile must not trace the import
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported."""
     try:
@@ -90,6 +91,7 @@ def _launch():
     return launch
 
 
+@torch.compiler.assume_constant_result  # fixed for the process once the kernels are imported
 def _interpreted() -> bool:
     """Whether the kernels run (or, once imported, will run) under the Triton interpreter."""
     mod = sys.modules.get(f"{__package__}.kernels")
@@ -117,25 +119,6 @@ def triton_supported(x: Tensor, experts: GroupedExperts) -> bool:
     triton importable, bias-free unquantized experts, fp32/bf16 compute, a CUDA tensor (or a CPU
     tensor with the kernels under the interpreter)."""
     return triton_available() and _unsupported(x, experts) is None
-
-
-class _TritonMoE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, plan,
-                valid: Tensor) -> Tensor:
-        k = _launch()
-        h1, h3, _ = k.up_forward(x, w1, w3, plan, store_pre=True)
-        out = k.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
-        ctx.save_for_backward(x, weights, w1, w2, w3, h1, h3)
-        ctx.plan, ctx.valid = plan, valid
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        x, weights, w1, w2, w3, h1, h3 = ctx.saved_tensors
-        grads = expert_backward(dout.to(h1.dtype), x, weights, w1, w2, w3, h1, h3, ctx.valid, ctx.plan,
-                                ctx.needs_input_grad[:5])
-        return *grads, None, None
 
 
 def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor,
@@ -191,19 +174,16 @@ def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     S, K = route.experts.shape
     if x.numel() == 0 or S == 0:
         return x.new_zeros(x.shape, dtype=dt)
-    k = _launch()
+    from . import custom_ops
+
     D = x.shape[1]
     w1, w2, w3 = (None if w is None else w.to(dt) for w in (experts.w1, experts.w2, experts.w3))
     if w3 is not None and w3.stride() != w1.stride():
         w3 = w3.contiguous()
         w1 = w1.contiguous()
     xp, w1, w2, w3 = _pad_widths(x.to(dt), w1, w2, w3)
-    plan = k.route_plan(route.experts, route.valid, experts.n_experts, k.plan_block_ms(dt))
+    args = (xp, route.weights, w1, w2, w3, route.experts, route.valid, experts.n_experts)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (xp, route.weights, w1, w2, w3))
-    if grads:
-        out = _TritonMoE.apply(xp, route.weights, w1, w2, w3, plan, route.valid)
-    else:
-        _, _, act = k.up_forward(xp, w1, w3, plan, store_pre=False)
-        out = k.down_forward(act, None, w2, route.weights, route.valid, plan, "none")
+    out = custom_ops.triton_moe_train(*args)[0] if grads else custom_ops.triton_moe_infer(*args)
     return out if out.shape[1] == D else out[:, :D]
