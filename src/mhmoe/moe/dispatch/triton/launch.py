@@ -51,9 +51,11 @@ def to_config(kernel: str, t: Tile) -> triton.Config:
 
 
 def _smem_limit() -> int | None:
+    """Shared memory one block may opt in to on the current CUDA device (None: unknown, prune nothing)."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", None)
 
 
 def _pruner(kernel: str, dtype: str) -> Callable[..., list[triton.Config]]:
