@@ -54,18 +54,19 @@ def kernel_table(name: str, tokens: int, dtype: str) -> tuple[str, list[dict]]:
 def layer_table(tokens: int, dtype: str) -> tuple[str, list[dict]]:
     head = "| config | dense ms | " + " | ".join(f"{d} ms (x dense)" for d in DESIGNS) + " |"
     lines = [f"\nlayer forward + backward, {tokens} tokens, {dtype}, predicted on {H100_SXM.name}: "
-             "no-L2-bound .. L2-bound", head, "|" + "---|" * (2 + len(DESIGNS))]
+             "without / with the L2 bound", head, "|" + "---|" * (2 + len(DESIGNS))]
     rows = []
     for name, cfg in CONFIGS.items():
         hidden = aligned_hidden(layer_flops(cfg, tokens) / tokens, D_MODEL)
         dense = [dense_prediction(tokens, D_MODEL, hidden, dtype, dev=d) for d in (without_l2(H100_SXM), H100_SXM)]
-        cells = [name, f"{dense[0]:.2f}..{dense[1]:.2f}"]
+        cells = [name, f"{dense[0]:.2f} / {dense[1]:.2f}"]
         row = {"config": name, "dense_hidden": hidden, "dense_ms": dense}
         for label, kw in DESIGNS.items():
             ms = [layer_prediction(tokens, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, dtype, dev=d,
                                    **kw)["layer_ms"] for d in (without_l2(H100_SXM), H100_SXM)]
-            row[label] = ms
-            cells.append(f"{ms[0]:.2f}..{ms[1]:.2f} ({ms[0] / dense[0]:.2f}..{ms[1] / dense[1]:.2f}x)")
+            x = [ms[0] / dense[0], ms[1] / dense[1]]
+            row[label] = {"ms": ms, "x_dense": x}
+            cells.append(f"{ms[0]:.2f} / {ms[1]:.2f} ({x[0]:.2f}x / {x[1]:.2f}x)")
         rows.append(row)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), rows

@@ -161,8 +161,8 @@ def aot(arch: int, quick: bool, check: bool, json_path: str | None) -> int:
         import json
 
         with open(json_path, "w", encoding="utf-8") as f:
-            json.dump({"arch": arch, "triton": triton.__version__, "quick": quick, "compiles": A.as_dicts(reports),
-                       "problems": problems}, f, indent=2)
+            json.dump({"arch": arch, "triton": triton.__version__, "quick": quick, "summary": A.summary(reports),
+                       "compiles": A.as_dicts(reports), "problems": problems}, f, indent=2)
     return 1 if check and problems else 0
 
 

@@ -212,6 +212,19 @@ def as_dicts(reports: list[KernelReport]) -> list[dict[str, Any]]:
     return [asdict(r) for r in reports]
 
 
+def summary(reports: list[KernelReport]) -> list[dict[str, Any]]:
+    """Per kernel x dtype x precision: candidate configs, compiles (x variants and specialisations), the largest
+    shared memory (KiB) and register count, the spilled bytes, and whether every compile pipelines its
+    loads / uses wgmma."""
+    groups: dict[tuple, list[KernelReport]] = {}
+    for r in reports:
+        groups.setdefault((r.kernel, r.dtype, r.precision), []).append(r)
+    return [{"kernel": k, "dtype": d, "precision": p, "configs": len({r.tile for r in rs}), "compiles": len(rs),
+             "max_smem_kib": round(max(r.smem for r in rs) / 1024), "max_registers": max(r.registers for r in rs),
+             "spill_bytes": sum(r.local_bytes for r in rs), "pipelined": all(r.pipelined for r in rs),
+             "wgmma": all(r.wgmma for r in rs)} for (k, d, p), rs in sorted(groups.items())]
+
+
 def format_report(reports: list[KernelReport]) -> str:
     """One markdown row per kernel x config: shared memory (and its prediction), registers, spills, flags."""
     rows = sorted({(r.kernel, r.dtype, r.precision, r.tile): r for r in reports}.values(),
