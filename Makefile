@@ -2,17 +2,34 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# pin the CPU wheel (a bare `torch` may pull a multi-GB CUDA build); the package itself asks for a range
+# The tested dependency set (every package pinned, CPU torch included; `make lock` rewrites it).
+# `make install LOCK=` installs from pyproject.toml's ranges instead (e.g. on another Python version).
+LOCK ?= requirements/lock.txt
+# the CPU wheel of PyTorch for installs from ranges (a bare `torch` may pull a multi-GB CUDA build)
 TORCH ?= torch==2.13.0
+# where pip finds the CPU build of torch if not in its own indexes, e.g. https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+EXTRAS := test,vocabs,parquet,bench,hf,lmeval,multimodal,triton
+PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 STAMP := $(VENV)/.installed
+LATEST_VENV ?= .venv-latest
 
-.PHONY: install system-deps demo test test-all lint bench clean
+.PHONY: install system-deps demo test test-all test-latest lock lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,vocabs,parquet,bench,hf,lmeval,multimodal,triton]"
+ifneq ($(LOCK),)
+	@$(BIN)/python -c 'import sys; v = "%d.%d" % sys.version_info[:2]; l = open("$(LOCK)").read(); \
+	  sys.exit(0) if f"CPython {v} " in l else print(f"note: $(LOCK) was made for another Python (this is {v}); " \
+	  "if pip cannot install it, run: make install LOCK=")'
+	$(BIN)/python -m pip install -q $(PIP_INDEX) -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+else
+	$(BIN)/python -m pip install -q --upgrade pip setuptools
+	$(BIN)/python -m pip install -q $(PIP_INDEX) "$(TORCH)"
+	$(BIN)/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
+endif
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +51,21 @@ test: install system-deps
 test-all: install system-deps
 	$(BIN)/python -m pytest -q
 
+## The suite on the newest versions pyproject.toml allows (a fresh $(LATEST_VENV); torch stays $(TORCH)):
+## how to see dependency drift coming. `make lock` then pins what passed into $(LOCK).
+test-latest: system-deps
+	rm -rf $(LATEST_VENV)
+	$(PY) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip setuptools
+	$(LATEST_VENV)/bin/python -m pip install -q $(PIP_INDEX) "$(TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
+	$(LATEST_VENV)/bin/python -m pip check
+	$(LATEST_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -iE "^(torch|transformers|numpy|triton)=="
+	$(LATEST_VENV)/bin/python -m pytest -q -m "not slow"
+
+lock: test-latest
+	$(LATEST_VENV)/bin/python scripts/write_lock.py $(LATEST_VENV)/bin/python $(LOCK)
+
 lint: install
 	$(BIN)/ruff check src tests benchmarks
 
@@ -41,4 +73,4 @@ bench: install
 	$(BIN)/python benchmarks/train_throughput.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) runs build *.egg-info

@@ -1,6 +1,6 @@
 """The package layout: every folder is one layer, dependencies point one way, no import circles.
 
-Layers, bottom up (docs/ARCHITECTURE.md): errors/runtime -> config -> quant -> moe -> model, data ->
+Layers, bottom up (docs/ARCHITECTURE.md): errors/runtime -> config -> checkpoint -> quant -> moe -> model, data ->
 train -> parallel -> research, integrations -> cli. A module may import its own package and lower
 layers only; siblings of one layer (model/data, research/integrations) do not import each other.
 Function-level (lazy) imports count exactly like module-level ones.
@@ -19,8 +19,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "mhmoe"
 LAYERS = [
-    ("errors",), ("runtime",), ("config",), ("quant",), ("moe",), ("model", "data"), ("train",), ("parallel",),
-    ("research", "integrations"), ("cli",),
+    ("errors",), ("runtime",), ("config",), ("checkpoint",), ("quant",), ("moe",), ("model", "data"), ("train",),
+    ("parallel",), ("research", "integrations"), ("cli",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 TOP = {"mhmoe", "mhmoe.__main__"}  # the public API and `python -m mhmoe` may import anything

@@ -30,8 +30,7 @@ _EXPORTS = {
                   "load_balancing_loss", "router_z_loss"),
     "mhmoe.model": ("LM", "Encoder", "EncoderOutput", "LMOutput", "build_model", "generate"),
     "mhmoe.data": ("Tokenizer", "load_tokenizer"),
-    "mhmoe.train.checkpoint": ("load_latest",),
-    "mhmoe.train.pretrained": ("Pretrained", "load"),
+    "mhmoe.train.checkpoint": ("Pretrained", "load", "load_latest"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -81,5 +80,4 @@ if TYPE_CHECKING:  # static analysers see the real names
         load_balancing_loss,
         router_z_loss,
     )
-    from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.pretrained import Pretrained, load
+    from mhmoe.train.checkpoint import Pretrained, load, load_latest

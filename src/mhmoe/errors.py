@@ -1,7 +1,42 @@
-"""Exception types. Every user-facing error is a ``ValueError`` subclass with a one-line message
-that names the offending field (or path) and what is allowed; the CLI prints it and exits 2."""
+"""Exception types and the one-line message helper. Every user-facing error is a ``ValueError``
+subclass with a one-line message that names the offending field (or path) and what is allowed; the
+CLI prints it and exits 2 (:class:`NoSpaceError`: exit 74). Messages never embed an unbounded value:
+values are shown through :func:`bounded_repr`, foreign exception texts through :func:`one_line`."""
 
 from __future__ import annotations
+
+import reprlib
+
+#: longest text :func:`one_line` and :func:`bounded_repr` return (characters)
+MAX_CHARS = 300
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 120, 120
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = 12
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def bounded_repr(value: object, limit: int = MAX_CHARS) -> str:
+    """``repr(value)`` cut to at most ``limit`` characters, in work bounded by a constant whatever the
+    value's size (``reprlib``: at most 12 items per container, 3 levels, 120 characters per string);
+    small values read exactly as ``repr``."""
+    try:
+        return _cut(_REPR.repr(value), limit)
+    except Exception:  # noqa: BLE001 -- a value whose repr fails (e.g. an int beyond the digit limit)
+        return f"<{type(value).__name__}>"
+
+
+def one_line(message: object, limit: int = MAX_CHARS) -> str:
+    """The first non-empty line of a message or exception, stripped and cut to ``limit`` characters;
+    an exception without text gives its class name. The one way mhmoe shortens foreign messages."""
+    text = str(message)[:64 * limit]  # a huge message is never split whole
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if not line and isinstance(message, BaseException):
+        line = type(message).__name__
+    return _cut(line, limit)
 
 
 class ConfigError(ValueError):
@@ -9,7 +44,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
         self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"invalid {field}={value!r}: allowed {allowed}")
+        super().__init__(f"invalid {field}={bounded_repr(value)}: allowed {allowed}")
 
 
 class DataError(ValueError):
@@ -18,3 +53,17 @@ class DataError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated or corrupted."""
+
+
+class UnsafePathError(ValueError):
+    """A path mhmoe would write through is a symlink (or a symlinked directory) inside a run, export or
+    cache directory: refused, never followed."""
+
+
+class NoSpaceError(OSError):
+    """The disk (or the file-size limit, or the quota) ran out while writing; ``errno`` is ENOSPC, EFBIG
+    or EDQUOT. The CLI prints the message and exits with :data:`NO_SPACE_EXIT`."""
+
+
+#: exit status of the CLI for :class:`NoSpaceError` (``EX_IOERR`` of sysexits.h)
+NO_SPACE_EXIT = 74

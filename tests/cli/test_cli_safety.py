@@ -29,6 +29,7 @@ import torch
 from helpers import MHMOE, tiny_run
 
 import mhmoe.cli
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.cli import main
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
@@ -37,7 +38,6 @@ from mhmoe.config.train import TrainConfig
 from mhmoe.data import BatchSampler, ByteTokenizer
 from mhmoe.model.lm import LM
 from mhmoe.train.checkpoint import save_checkpoint
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.parallelism import SingleProcess
 
 SRC = Path(mhmoe.__file__).resolve().parents[1]  # subprocesses run the sources this test imported
@@ -150,7 +150,7 @@ def test_interrupt_during_data_preparation_is_one_line(config, tmp_path, monkeyp
         time.sleep(5)  # pragma: no cover -- never reached: the handler raises first
         raise AssertionError("SIGTERM was not delivered")
 
-    monkeypatch.setattr(loop, "build_task", prepare)
+    monkeypatch.setattr(loop, "build_objective", prepare)
     out = tmp_path / "out"
     assert main(["train", "--config", str(config), "--out", str(out), "--no-progress"]) == code
     err = _one_line(capsys, "mhmoe train: interrupted")

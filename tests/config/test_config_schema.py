@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import typing
 from dataclasses import fields
 
 import pytest
@@ -47,8 +48,11 @@ def schema() -> list[tuple[str, str]]:
     """(dotted field, declared type) for every leaf field of the run config."""
     out = [("name", "str")]
     for prefix, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
         for f in fields(cls):
             kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if typing.get_origin(hints[f.name]) is typing.Literal:  # an option: an enumerated str
+                kind = "str"
             if kind != "MoEConfig":
                 out.append((f"{prefix}.{f.name}", kind))
     return out

@@ -18,6 +18,7 @@ from mhmoe.cli import main  # noqa: E402
 from mhmoe.data import ByteTokenizer, Tokenizer, get_pretrained_tokenizer, train_bpe  # noqa: E402
 from mhmoe.errors import DataError  # noqa: E402
 from mhmoe.integrations.hf import MHMoEConfig, MHMoEForCausalLM, MHMoESamplingFilter, to_hf_tokenizer  # noqa: E402
+from mhmoe.integrations.hf.modeling_mhmoe import output_cache  # noqa: E402
 from mhmoe.model.generate import generate  # noqa: E402
 from mhmoe.model.lm import KVCache  # noqa: E402
 
@@ -82,14 +83,18 @@ def test_labels_loss_is_shifted_cross_entropy_plus_aux():
     torch.testing.assert_close(out.loss, ref.total_loss, rtol=1e-5, atol=1e-6)
 
 
-def test_cache_decoding_matches_full_forward():
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_cache_decoding_matches_full_forward(name):
+    """The KV cache is read under the name of every transformers version (5.24+: cache=)."""
     model = MHMoEForCausalLM.from_lm(trained_lm("mhmoe"))
     x = _ids(2, 10)
     with torch.no_grad():
         full = model(x, use_cache=False).logits
         first = model(x[:, :6], use_cache=True)
-        cache = first.past_key_values
-        rest = [model(x[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(6, 10)]
+        cache = output_cache(first)
+        assert cache is not None and cache.get_seq_length() == 6
+        rest = [model(x[:, t:t + 1], **{name: cache}, use_cache=True).logits for t in range(6, 10)]
+        assert cache.get_seq_length() == 10
     torch.testing.assert_close(torch.cat([first.logits, *rest], 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -213,3 +218,118 @@ def test_export_hf_refuses_a_non_empty_out_and_bad_checkpoints(tmp_path, capsys)
     empty = tmp_path / "empty"
     empty.mkdir()  # an existing empty directory is fine
     assert main(["export", "--hf", str(tmp_path / "run"), str(empty)]) == 0
+
+
+# a fresh interpreter in which mhmoe cannot be imported: the exported directory must carry its own code
+WITHOUT_MHMOE = r"""
+import json, sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mhmoe" or name.startswith("mhmoe."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+sys.meta_path.insert(0, Blocker())
+try:
+    import mhmoe
+    sys.exit("mhmoe is importable")
+except ModuleNotFoundError:
+    pass
+import torch
+torch.set_num_threads(1)  # as the test process: bitwise-equal logits
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+logging.set_verbosity_error()
+logging.disable_progress_bar()
+expected = torch.load(sys.argv[1], weights_only=True)
+report = {}
+for kind, want in expected.items():
+    path = sys.argv[2] + "/" + kind
+    try:
+        AutoModelForCausalLM.from_pretrained(path)
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(want["ids"]).logits
+        tokens = model.generate(want["prompt"], max_new_tokens=want["steps"], do_sample=False, eos_token_id=None,
+                                pad_token_id=model.config.eos_token_id)
+    report[kind] = {"class": type(model).__module__ + "." + type(model).__name__, "refusal": refusal,
+                    "logits_equal": bool(torch.equal(logits, want["logits"])),
+                    "generate_equal": bool(torch.equal(tokens, want["tokens"])),
+                    "mhmoe_modules": sorted(m for m in sys.modules if m.split(".")[0] == "mhmoe")}
+print("\n" + json.dumps(report))
+"""
+
+
+def test_exported_model_loads_with_trust_remote_code_where_mhmoe_is_not_installed(tmp_path):
+    """Every model kind: `mhmoe export --hf` writes config.json with auto_map and the model code, which
+    transformers loads in an interpreter where `import mhmoe` fails, with our logits and greedy tokens;
+    without trust_remote_code transformers' refusal names the flag."""
+    import os
+    import subprocess
+    import sys
+
+    from mhmoe.train.checkpoint import load_checkpoint
+
+    expected = {}
+    for kind in ("mhmoe", "smoe", "dense", "bitnet"):
+        ck_path = tiny_checkpoint(tmp_path / "runs" / kind, kind)
+        assert main(["export", "--hf", str(tmp_path / "runs" / kind), str(tmp_path / "hf" / kind)]) == 0
+        cfg = json.loads((tmp_path / "hf" / kind / "config.json").read_text())
+        assert cfg["auto_map"] == {"AutoConfig": "modeling_mhmoe.MHMoEConfig",
+                                   "AutoModelForCausalLM": "modeling_mhmoe.MHMoEForCausalLM"}
+        code = [p.name for p in (tmp_path / "hf" / kind).glob("*.py")]
+        assert {"modeling_mhmoe.py", "configuration_mhmoe.py", "mhmoe_model_lm.py"} <= set(code)
+        assert all("from mhmoe" not in (tmp_path / "hf" / kind / f).read_text() for f in code)
+        lm = load_checkpoint(ck_path).model.eval()
+        ids, prompt = _ids(2, 12, seed=5), _ids(2, 5, seed=6)
+        with torch.no_grad():
+            expected[kind] = {"ids": ids, "logits": lm(ids).logits, "prompt": prompt, "steps": 10,
+                              "tokens": generate(lm, prompt, 10, temperature=0)}
+    torch.save(expected, tmp_path / "expected.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_MHMOE, str(tmp_path / "expected.pt"), str(tmp_path / "hf")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line (transformers may print before it)
+    for kind, r in report.items():
+        assert r["class"].endswith("modeling_mhmoe.MHMoEForCausalLM") and r["mhmoe_modules"] == [], (kind, r)
+        assert r["logits_equal"] and r["generate_equal"], (kind, r)
+        assert r["refusal"] is not None and "trust_remote_code=True" in r["refusal"], (kind, r)
+
+
+def test_bundled_model_code_is_our_source_with_relative_imports():
+    """Each bundled file is an mhmoe module byte for byte except its mhmoe import lines; lazy imports of
+    modules outside the bundle (the Triton kernels) become an ImportError naming what to install; the
+    only third-party imports are ones transformers installs."""
+    import ast
+    import importlib.util
+
+    from mhmoe.integrations.hf import remote_code
+
+    files = remote_code.bundle_sources()
+    assert {"modeling_mhmoe.py", "configuration_mhmoe.py", "mhmoe_model_lm.py", "mhmoe_moe_layers.py",
+            "mhmoe_quant_bitnet.py"} <= set(files)
+    by_file = {remote_code.flat_name(m) + ".py": m for m in (
+        "mhmoe.model.lm", "mhmoe.moe.routers", "mhmoe.moe.dispatch.triton.ops", *remote_code.ENTRY_MODULES)}
+    for name, module in by_file.items():
+        ours = open(importlib.util.find_spec(module).origin, encoding="utf-8").read().splitlines()
+        theirs = files[name].split("\n\n\n# every file of this bundle")[0].splitlines()  # less the manifest
+        assert len(ours) >= len(theirs)
+        kept = [line for line in ours if "mhmoe" not in line or not line.lstrip().startswith(("from ", "import "))]
+        assert [line for line in theirs if not line.lstrip().startswith(("from .", "raise ImportError("))] == [
+            line for line in kept if not line.lstrip().startswith("from .")], name
+    third_party = set()
+    for name, text in files.items():
+        tree = ast.parse(text)  # every file is valid Python
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module.split(".")[0] != "mhmoe", name
+                third_party.add(node.module.split(".")[0])
+    assert third_party - set(__import__("sys").stdlib_module_names) <= remote_code.ALLOWED_THIRD_PARTY
+    manifest = files["modeling_mhmoe.py"].split("# every file of this bundle")[1]
+    assert sorted(f"{line.split()[1][1:]}.py" for line in manifest.splitlines() if line.startswith("from .")) == sorted(
+        set(files) - {"modeling_mhmoe.py"})
+    assert "mhmoe.moe.dispatch.triton.kernels' + ' is not part of the exported model code" in files[
+        "mhmoe_moe_dispatch_triton_ops.py"]

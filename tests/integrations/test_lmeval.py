@@ -14,7 +14,7 @@ pytest.importorskip("lm_eval")
 from ecosystem_helpers import tiny_checkpoint, trained_lm  # noqa: E402
 
 from mhmoe.cli import main  # noqa: E402
-from mhmoe.cli.ecosystem import format_downstream  # noqa: E402
+from mhmoe.cli.integrations import format_downstream  # noqa: E402
 from mhmoe.data import ByteTokenizer  # noqa: E402
 from mhmoe.integrations.lmeval import MHMoEHarnessLM  # noqa: E402
 from mhmoe.integrations.lmeval_tasks import TASKS_DIR, make_cloze, make_ppl_docs, task_dir  # noqa: E402

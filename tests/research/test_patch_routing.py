@@ -22,7 +22,7 @@ from mhmoe.research.patch_routing import (
 )
 from mhmoe.train.checkpoint import load_latest
 from mhmoe.train.loop import train
-from mhmoe.train.tasks import build_task
+from mhmoe.train.objectives import build_objective
 
 
 def test_checkpoints_shown_spread_over_the_run():
@@ -55,7 +55,7 @@ def test_patch_maps_are_the_models_routing(encoder_run, tmp_path):
     assert (tmp_path / "a" / "fig8.png").stat().st_size > 10_000
     assert sorted(fig["diversity"]) == ["2", "4"]  # every checkpoint of the run, oldest first
     ck = load_latest(encoder_run)
-    data = build_task(ck.run, tokenizer=ck.tokenizer).data
+    data = build_objective(ck.run, tokenizer=ck.tokenizer).data
     images = fig["images"]
     assert images == [int(i) for i in data.split_images["val"][:3]]
     # recompute the newest map from the router's decisions: distinct valid experts over a patch's H*K slots

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mhmoe.train.checkpoint as ckpt_mod
+from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
@@ -23,7 +24,6 @@ from mhmoe.data import ByteTokenizer
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
 from mhmoe.train.checkpoint import load_checkpoint, load_latest, save_checkpoint
-from mhmoe.train.checkpoint_format import list_checkpoints, verify_checkpoint
 from mhmoe.train.loop import train
 
 MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
@@ -281,7 +281,7 @@ def test_non_finite_model_is_never_saved(tmp_path, bad):
 def test_old_torch_warns_once_before_loading(capsys):
     """torch.load(weights_only=True) reads trainer_state.pt and DCP items; with a torch that has known
     bugs in that unpickler (before 2.10) loading warns once per process, in one line."""
-    from mhmoe.train.checkpoint_format import warn_if_unsafe_torch
+    from mhmoe.checkpoint import warn_if_unsafe_torch
 
     warn_if_unsafe_torch.cache_clear()
     assert warn_if_unsafe_torch("2.5.1") and warn_if_unsafe_torch("2.5.1")  # printed once (cached)

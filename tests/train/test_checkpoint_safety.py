@@ -30,6 +30,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
+from mhmoe.checkpoint.dcp_metadata import ALLOWED_GLOBALS, read_metadata
+from mhmoe.checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_full
 from mhmoe.cli import main
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
@@ -41,8 +44,6 @@ from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import load_dcp_into, open_latest_dcp, save_dcp_checkpoint
 from mhmoe.train.checkpoint import load_checkpoint, load_latest, save_checkpoint
-from mhmoe.train.checkpoint_format import list_checkpoints, verify_checkpoint
-from mhmoe.train.dcp_safe import ALLOWED_GLOBALS, SafeFileSystemReader, read_dcp_full, read_metadata
 from mhmoe.train.optim import build_optimizer
 
 MOE = MoEConfig(n_experts=4, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True)

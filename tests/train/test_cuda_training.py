@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 def test_training_steps_never_wait_for_the_device(tmp_path, moe, dtype):
     run = tiny_run(tmp_path, moe, device="cuda", dtype=dtype, max_steps=50, log_every=1000)
     trainer = Trainer(run, tmp_path / "r", resume=False, progress=False, stop_after=None,
-                      par=SingleProcess(torch.device("cuda")))
+                      parallelism=SingleProcess(torch.device("cuda")))
     for step in range(2):  # warm-up: allocator, cuBLAS handles, autotuning
         trainer.train_step(step)
     torch.cuda.synchronize()

@@ -20,11 +20,11 @@ import pytest
 import torch
 from helpers import MHMOE, assert_same_run, records, tiny_run
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.data import BatchSampler
 from mhmoe.model.lm import LM
 from mhmoe.runtime.signals import Interrupted, StopRequests
 from mhmoe.train.checkpoint import load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import Trainer, train
 from mhmoe.train.metrics import MetricsWriter
 from mhmoe.train.parallelism import SingleProcess
@@ -44,7 +44,7 @@ def _pieces() -> dict[str, tuple[object, str]]:
         "clip": (SingleProcess, "finish_grads"),
         "optimizer": (SingleProcess, "optimizer_step"),
         "scheduler": (torch.optim.lr_scheduler.LambdaLR, "step"),
-        "settle": (Trainer, "settle"),
+        "count_skipped_steps": (Trainer, "count_skipped_steps"),
         "log": (MetricsWriter, "log"),
         "eval": (Trainer, "evaluate"),
         "save": (SingleProcess, "save_checkpoint"),

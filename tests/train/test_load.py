@@ -9,8 +9,8 @@ from helpers import tiny_run
 import mhmoe
 from mhmoe.cli import main
 from mhmoe.errors import CheckpointError, ConfigError
+from mhmoe.train.checkpoint import Pretrained, load
 from mhmoe.train.loop import train
-from mhmoe.train.pretrained import Pretrained, load
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import DENSE, MHMOE, NOISY_MH, SMOE, assert_same_run, losses, records, tiny_run  # noqa: E402
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.run import RunConfig
@@ -20,7 +21,6 @@ from mhmoe.data import BatchSampler
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.train.checkpoint import load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import train
 from mhmoe.train.optim import build_optimizer
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers import MHMOE, assert_same_run, records, tiny_run
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import save_dcp_checkpoint
 from mhmoe.train.checkpoint import load_checkpoint, load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import LAUNCH_FIELDS, train
 
 NO_MAX_STEPS = tuple(f for f in LAUNCH_FIELDS if f != "max_steps")  # what the CLI passes without --max-steps

@@ -21,9 +21,9 @@ import pytest
 from helpers import MHMOE, assert_same_run, records, tiny_run
 
 import mhmoe
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.lock import LOCK_FILE, RunDirLock
 from mhmoe.train.loop import train
 

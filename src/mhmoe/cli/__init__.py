@@ -1,7 +1,7 @@
 """The ``mhmoe`` command line: one entry point, one module per command group.
 
 ``plan`` (plan, presets), ``train`` (train, eval, generate, compare), ``bench``, ``export`` (export,
-convert-checkpoint), ``research`` (reproduce, analyze), ``ecosystem`` (downstream, make-tasks and the
+convert-checkpoint), ``research`` (reproduce, analyze), ``integrations`` (downstream, make-tasks and the
 transformers / lm-eval handlers). Every module lists ``PARSER_BUILDERS``: functions that add a
 subcommand whose parser sets ``func``; the handlers turn the parsed arguments into typed configs and
 call the library with those only. Every option has a help text and ``--help`` shows its default
@@ -17,17 +17,19 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from mhmoe.errors import NO_SPACE_EXIT, NoSpaceError, one_line
 from mhmoe.runtime.console import one_line_warnings
 from mhmoe.runtime.cpu_malloc import malloc_from_env
+from mhmoe.runtime.files import no_space_errno
 from mhmoe.runtime.signals import raise_on_sigterm
 
 
 def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Every command group's parser builders, in ``mhmoe --help`` order (heavy modules load per command)."""
-    from mhmoe.cli import bench, ecosystem, export, plan, research, train
+    from mhmoe.cli import bench, export, integrations, plan, research, train
 
     return (plan.PARSER_BUILDERS + train.PARSER_BUILDERS + bench.PARSER_BUILDERS + export.PARSER_BUILDERS
-            + research.PARSER_BUILDERS + ecosystem.PARSER_BUILDERS)
+            + research.PARSER_BUILDERS + integrations.PARSER_BUILDERS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -61,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+MESSAGE_CHARS = 2000  # the longest error line the command prints
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -84,16 +85,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
             with one_line_warnings():
                 return int(args.func(args) or 0)
+    except NoSpaceError as exc:  # the disk, the quota or the file-size limit ran out while writing
+        print(f"{command}: {one_line(exc.strerror or exc, MESSAGE_CHARS)}", file=sys.stderr)
+        return NO_SPACE_EXIT
     except (ValueError, OSError) as exc:
-        print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
+        if isinstance(exc, OSError) and no_space_errno(exc) is not None:
+            print(f"{command}: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
+            return NO_SPACE_EXIT
+        print(f"{command}: error: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Interrupted, exit_code 143)
-        print(f"{command}: {_one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
+        print(f"{command}: {one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 130))
     except (MemoryError, RuntimeError) as exc:
         if not _is_out_of_memory(exc):
             raise
-        print(f"{command}: error: out of memory ({_one_line(exc)[:200]}); lower train.batch_size or train.seq_len, "
+        print(f"{command}: error: out of memory ({one_line(exc, 200)}); lower train.batch_size or train.seq_len, "
               "or use a smaller model", file=sys.stderr)
         return 2
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from mhmoe.cli.train import warn_slow_bf16
 from mhmoe.errors import ConfigError
@@ -73,7 +72,9 @@ def _run_bench(args) -> int:
         print(json.dumps(result, indent=2))
         return 0
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
+        from mhmoe.runtime.files import atomic_write
+
+        atomic_write(args.json, json.dumps(result, indent=2))
     print(format_rows(result))
     return 0
 

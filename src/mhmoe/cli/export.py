@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from mhmoe.errors import ConfigError
+from mhmoe.runtime.files import atomic_write, publish_dir, remove_tree, staging_dir
 
 
 def refuse_non_empty(out: Path, flag: str = "OUT") -> None:
@@ -44,7 +43,7 @@ def _run_export(args) -> int:
     from mhmoe.train.checkpoint import load_latest
 
     if args.hf:
-        from mhmoe.cli.ecosystem import run_export_hf
+        from mhmoe.cli.integrations import run_export_hf
 
         return run_export_hf(args)
     if not args.bitnet:
@@ -54,12 +53,9 @@ def _run_export(args) -> int:
     ck = load_latest(args.checkpoint, "cpu")
     if ck.run.model.arch != "decoder":
         raise ConfigError("--checkpoint", args.checkpoint, "a decoder run (the packed export is for language models)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"  # written completely, then renamed into place
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with staging_dir(out) as tmp:  # written completely, then renamed into place (mhmoe.runtime.files)
         report = export_bitnet(ck.model, tmp, args.float_dtype)
-        (tmp / "config.yaml").write_text(ck.run.to_yaml(), encoding="utf-8")
+        atomic_write(tmp / "config.yaml", ck.run.to_yaml(), durable=False)
         ck.tokenizer.save(tmp / "tokenizer")
         # check: the packed model computes the fake-quantized model's logits
         packed = load_packed(report.path)
@@ -69,12 +65,7 @@ def _run_export(args) -> int:
         with torch.no_grad():
             diff = float((packed(idx).logits - model(idx).logits).abs().max())
         refuse_non_empty(out)  # still new or empty after the export
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish_dir(tmp, out)
     report.path = out / Path(report.path).name
     res = {**report.to_dict(), "checkpoint": str(ck.path), "step": ck.step, "max_abs_logit_diff": diff}
     if args.json:
@@ -103,8 +94,8 @@ def _run_convert(args) -> int:
 
     if args.to not in ("safetensors", "dcp"):
         raise ConfigError("--to", args.to, "safetensors | dcp")
-    from mhmoe.parallel.checkpoint import dcp_to_safetensors, safetensors_to_dcp
-    from mhmoe.train.checkpoint_format import CKPT_DIR
+    from mhmoe.checkpoint import CKPT_DIR
+    from mhmoe.train.checkpoint import dcp_to_safetensors, safetensors_to_dcp
     from mhmoe.train.lock import LOCK_FILE, RunDirLock
 
     target = Path(args.out)
@@ -116,7 +107,7 @@ def _run_convert(args) -> int:
         try:
             out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, target)
         except BaseException:
-            shutil.rmtree(target / CKPT_DIR, ignore_errors=True)  # it was empty: leave nothing half-written
+            remove_tree(target / CKPT_DIR)  # it was empty: leave nothing half-written
             raise
     print(f"{src} -> {out}")
     return 0

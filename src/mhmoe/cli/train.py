@@ -167,7 +167,7 @@ def _run_train(args) -> int:
 
 # ---- eval ------------------------------------------------------------------------------------------
 def _add_eval(sub) -> None:
-    from mhmoe.cli.ecosystem import add_harness_args
+    from mhmoe.cli.integrations import add_harness_args
 
     p = sub.add_parser("eval", help="perplexity of a checkpoint on every validation set (--tasks: lm-eval tasks)")
     p.add_argument("--checkpoint", required=True, metavar="RUN", help="run directory (its newest valid checkpoint) "
@@ -183,12 +183,12 @@ def _add_eval(sub) -> None:
 
 def _run_eval(args) -> int:
     if args.tasks is not None:
-        from mhmoe.cli.ecosystem import run_eval_tasks
+        from mhmoe.cli.integrations import run_eval_tasks
 
         return run_eval_tasks(args)
     from mhmoe.runtime.device import resolve_device
     from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.tasks import evaluate_checkpoint
+    from mhmoe.train.objectives import evaluate_checkpoint
 
     if args.batches is not None and args.batches < 1:
         raise ConfigError("--batches", args.batches, ">= 1")
@@ -208,7 +208,7 @@ def _run_eval(args) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    from mhmoe.train.pretrained import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+    from mhmoe.train.checkpoint import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 
     p = sub.add_parser("generate", help="sample text from a model (KV cache)",
                        description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
@@ -226,7 +226,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from mhmoe.train.pretrained import check_sampling, load
+    from mhmoe.train.checkpoint import check_sampling, load
 
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

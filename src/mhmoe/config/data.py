@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from mhmoe.config.fields import check_types, is_int
 from mhmoe.errors import ConfigError
@@ -12,8 +13,10 @@ TOKENIZERS: tuple[str, ...] = ("bpe", "gpt2", "cl100k_base", "byte")
 MAX_BPE_VOCAB = 1 << 20
 # lm: next-token prediction on a text corpus (model.arch=decoder); masked_mm: masked multi-modal
 # modelling on images + text (model.arch=encoder; mhmoe.data.multimodal, docs/ICML-SETTINGS.md)
-TASKS: tuple[str, ...] = ("lm", "masked_mm")
-IMAGE_SETS: tuple[str, ...] = ("emoji", "digits")  # mhmoe.data.images.IMAGE_SETS
+Task = Literal["lm", "masked_mm"]
+ImageSet = Literal["emoji", "digits"]  # mhmoe.data.images.IMAGE_SETS
+TASKS: tuple[str, ...] = get_args(Task)
+IMAGE_SETS: tuple[str, ...] = get_args(ImageSet)
 
 
 @dataclass
@@ -29,8 +32,8 @@ class DataConfig:
     cache_dir: str = ""  # default: $MHMOE_CACHE or ~/.cache/mhmoe
     seed: int = 1234
     # ---- masked multi-modal modelling (task=masked_mm; corpus is then the text-only stream) ------
-    task: str = "lm"  # lm | masked_mm (TASKS)
-    image_set: str = "emoji"  # emoji | digits
+    task: Task = "lm"  # lm | masked_mm
+    image_set: ImageSet = "emoji"  # emoji | digits
     codebook_size: int = 0  # visual vocabulary (k-means codes); 0 = the image set's default
     text_len: int = 16  # caption tokens of an image-text pair (sequence length = patches + text_len + 3)
 
@@ -61,10 +64,6 @@ class DataConfig:
         self._check_masked_mm()
 
     def _check_masked_mm(self) -> None:
-        if self.task not in TASKS:
-            raise ConfigError("data.task", self.task, " | ".join(TASKS))
-        if self.image_set not in IMAGE_SETS:
-            raise ConfigError("data.image_set", self.image_set, " | ".join(IMAGE_SETS))
         if not is_int(self.codebook_size) or not (self.codebook_size == 0 or 2 <= self.codebook_size <= 65536):
             raise ConfigError("data.codebook_size", self.codebook_size, "0 (the image set's default) or 2..65536")
         if not is_int(self.text_len) or self.text_len < 1:

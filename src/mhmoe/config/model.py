@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from mhmoe.config.fields import check, check_types, coerce_fields
-from mhmoe.config.moe import QUANTS, MoEConfig
+from mhmoe.config.moe import MoEConfig, Quant
 from mhmoe.errors import ConfigError
 
 # decoder: the causal LM (mhmoe.model.lm, data.task=lm); encoder: the bidirectional masked-data
 # encoder (mhmoe.model.encoder, data.task=masked_mm)
-ARCHS: tuple[str, ...] = ("decoder", "encoder")
+Arch = Literal["decoder", "encoder"]
+ARCHS: tuple[str, ...] = get_args(Arch)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ModelConfig:
     ``arch="encoder"`` accepts them.
     """
 
-    arch: str = "decoder"  # decoder | encoder (ARCHS)
+    arch: Arch = "decoder"  # decoder | encoder
     vocab_size: int = 8192  # overwritten from the tokenizer at training time when 0
     d_model: int = 768
     n_layers: int = 12
@@ -41,15 +42,14 @@ class ModelConfig:
     # projections, every FFN/expert matrix and the MH-MoE head/merge projections are ternary with
     # 8-bit activations; embeddings, LM head, norms and routers stay full precision. Applies to the
     # whole model: moe.quant and the dense FFNs are set from it.
-    quant: str = "none"
+    quant: Quant = "none"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig.from_dict(self.moe)
         check(isinstance(self.moe, MoEConfig), "model.moe", type(self.moe).__name__, "a MoEConfig")
-        check_types(self, "")
-        check(self.arch in ARCHS, "arch", self.arch, " | ".join(ARCHS))
+        check_types(self, "")  # types, and the Literal options (arch, quant)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_every", "max_seq_len"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")
@@ -59,7 +59,6 @@ class ModelConfig:
         check(self.norm_eps > 0, "norm_eps", self.norm_eps, "a float > 0 (RMSNorm epsilon)")
         check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
         check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
-        check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
         if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
             self.moe = replace(self.moe, quant=self.quant)
         self.moe.check_d_model(self.d_model, "d_model")

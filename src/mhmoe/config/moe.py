@@ -9,22 +9,26 @@ allowed. YAML/dict round-trips go through :func:`dataclasses.asdict` and ``MoECo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
 
 from mhmoe.config.fields import check, check_types, coerce_fields
 from mhmoe.errors import ConfigError
 
-FFN_TYPES = ("swiglu", "relu")
-ROUTERS = ("softmax", "xmoe", "noisy", "sigmoid", "expert_choice")
-XMOE_GATES = ("softmax", "sigmoid")
-RESIDUALS = ("block", "subtoken")
-KINDS = ("dense", "moe")
-IMPLS = ("auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop")
-CAPACITY_PRIORITIES = ("causal", "gshard")
-BIAS_INITS = ("torch", "zero")
-ENTROPY_MODES = ("token", "batch")
-QUANTS = ("none", "bitnet158")
+# the options of the string fields; check_types accepts exactly a Literal's values
+FFNType = Literal["swiglu", "relu"]
+Router = Literal["softmax", "xmoe", "noisy", "sigmoid", "expert_choice"]
+XMoEGate = Literal["softmax", "sigmoid"]
+Residual = Literal["block", "subtoken"]
+Kind = Literal["dense", "moe"]
+Impl = Literal["auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop"]
+CapacityPriority = Literal["causal", "gshard"]
+BiasInit = Literal["torch", "zero"]
+EntropyMode = Literal["token", "batch"]
+Quant = Literal["none", "bitnet158"]
+FFN_TYPES, ROUTERS, XMOE_GATES, RESIDUALS, KINDS = (get_args(t) for t in (FFNType, Router, XMoEGate, Residual, Kind))
+IMPLS, CAPACITY_PRIORITIES, BIAS_INITS, ENTROPY_MODES, QUANTS = (
+    get_args(t) for t in (Impl, CapacityPriority, BiasInit, EntropyMode, Quant))
 
 
 @dataclass
@@ -35,22 +39,22 @@ class MoEConfig:
     of width ``d_model / heads`` when ``token_split`` is on (else ``d_model``).
     """
 
-    kind: str = "moe"  # "dense": one SwiGLU/ReLU FFN of width d_expert; "moe": routed experts
+    kind: Kind = "moe"  # "dense": one SwiGLU/ReLU FFN of width d_expert; "moe": routed experts
     n_experts: int = 8  # E
     top_k: int = 1  # K (expert-choice: average experts per token, sets the per-expert capacity)
     d_expert: int = 2048  # F, hidden width of every routed expert (and of the dense FFN)
-    ffn: str = "swiglu"  # swiglu (3 matrices) | relu (2 matrices, Huang et al. Eq.5)
+    ffn: FFNType = "swiglu"  # swiglu (3 matrices) | relu (2 matrices, Huang et al. Eq.5)
     expert_bias: bool = False
     n_shared: int = 0  # always-on shared experts (DeepSeekMoE), each of width d_shared
     d_shared: int = 0  # 0 -> d_expert
     # ---- router -------------------------------------------------------------------------------
-    router: str = "softmax"  # softmax | xmoe | noisy | sigmoid | expert_choice
+    router: Router = "softmax"  # softmax | xmoe | noisy | sigmoid | expert_choice
     # combine weights of a token's top-k slots: None (auto) renormalises them to sum to one when
     # top_k > 1 (GShard / X-MoE top-2 gating; DeepSeek-V3 for the sigmoid gate) and keeps the raw
     # gate value for top-1 (Switch); true / false force one reading (false: raw gate values)
     renormalize: bool | None = None
     router_dim: int = 16  # X-MoE low-dimensional routing space
-    xmoe_gate: str = "softmax"  # X-MoE gate: softmax (tau0=0.3) | sigmoid (tau0=0.07)
+    xmoe_gate: XMoEGate = "softmax"  # X-MoE gate: softmax (tau0=0.3) | sigmoid (tau0=0.07)
     router_temperature: float = 0.0  # 0 -> 0.3 for softmax gating, 0.07 for sigmoid gating
     noise_std: float = 1.0  # noisy top-k: scale of the learned softplus noise
     aux_free_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing bias (choice only)
@@ -62,55 +66,45 @@ class MoEConfig:
     # before any slot at t+1), so no token's output depends on later tokens (required in the decoder
     # LM); gshard = every token's first choice before any second choice, then token order (reads the
     # future within a sequence: for bidirectional encoders and standalone layers only)
-    capacity_priority: str = "causal"
+    capacity_priority: CapacityPriority = "causal"
     # ---- auxiliary losses ----------------------------------------------------------------------
     balance_loss_weight: float = 1e-2  # Switch / ICML Eq.10 (alpha)
     z_loss_weight: float = 0.0  # ST-MoE router z-loss
     entropy_loss_weight: float = 0.0  # survey Eq.3
-    entropy_mode: str = "token"  # token: mean per-token gate entropy | batch: log E - H(mean gate)
+    entropy_mode: EntropyMode = "token"  # token: mean per-token gate entropy | batch: log E - H(mean gate)
     # ---- multi-head (MH-MoE) ---------------------------------------------------------------------
     heads: int = 1  # h; sub-tokens of width d_model / h
     head_layer: bool = False  # W_head (d x d) before the split
     merge_layer: bool = False  # W_merge (d x d) after the merge
     mlp_layers: int = 1  # depth n of the head and merge MLPs (ICML Table 7), ReLU between layers
     token_split: bool = True  # token splitting-merging (ICML Table 6); off -> route whole tokens
-    residual: str = "block"  # block (official code) | subtoken (ICML Eq.6)
+    residual: Residual = "block"  # block (official code) | subtoken (ICML Eq.6)
     proj_bias: bool = True  # biases of the head/merge projections (official code: nn.Linear)
     # head-projection bias init: torch = nn.Linear's default U(-1/sqrt(d), 1/sqrt(d)) (the official
     # code, ICML App. E, only zeroes the merge bias) | zero. The merge bias always starts at zero.
-    head_bias_init: str = "torch"
+    head_bias_init: BiasInit = "torch"
     # ---- execution -------------------------------------------------------------------------------
-    impl: str = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | triton | loop (loop = the oracle)
+    impl: Impl = "auto"  # auto | padded | fused | chunked | sorted | grouped_mm | triton | loop (loop = the oracle)
     init_std: float = 0.02
     # ---- quantization (docs/BITNET.md) ---------------------------------------------------------------
     # none | bitnet158: ternary experts (gamma per expert), 8-bit activations, per-expert sub-norms,
     # BitLinear head/merge projections; the router stays fp32. Inside a model it is set from model.quant.
-    quant: str = "none"
+    quant: Quant = "none"
 
     def __post_init__(self) -> None:
-        check_types(self, "")
-        for f in fields(self):
-            if f.type == "bool":
-                v = getattr(self, f.name)
-                check(isinstance(v, bool), f.name, v, "true | false")
-        check(self.kind in KINDS, "kind", self.kind, " | ".join(KINDS))
-        check(self.ffn in FFN_TYPES, "ffn", self.ffn, " | ".join(FFN_TYPES))
+        check_types(self, "")  # types, and the Literal options (kind, ffn, router, impl, ...)
         check(self.d_expert >= 1, "d_expert", self.d_expert, "an integer >= 1")
         check(self.n_shared >= 0, "n_shared", self.n_shared, "an integer >= 0")
         check(self.d_shared >= 0, "d_shared", self.d_shared, "an integer >= 0 (0 = d_expert)")
         check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
         check(self.renormalize is None or isinstance(self.renormalize, bool), "renormalize", self.renormalize,
               "null (auto: true when top_k > 1) | true | false")
-        check(self.head_bias_init in BIAS_INITS, "head_bias_init", self.head_bias_init, " | ".join(BIAS_INITS))
-        check(self.quant in QUANTS, "quant", self.quant, " | ".join(QUANTS))
         if self.kind == "dense":
             return
         check(self.n_experts >= 1, "n_experts", self.n_experts, "an integer >= 1")
         check(
             1 <= self.top_k <= self.n_experts, "top_k", self.top_k, f"1..{self.n_experts} (<= n_experts)"
         )
-        check(self.router in ROUTERS, "router", self.router, " | ".join(ROUTERS))
-        check(self.xmoe_gate in XMOE_GATES, "xmoe_gate", self.xmoe_gate, " | ".join(XMOE_GATES))
         check(self.router_dim >= 1, "router_dim", self.router_dim, "an integer >= 1")
         check(self.router_temperature >= 0, "router_temperature", self.router_temperature, ">= 0")
         check(self.noise_std >= 0, "noise_std", self.noise_std, ">= 0")
@@ -120,13 +114,8 @@ class MoEConfig:
             check(cf is None or cf > 0, name, cf, "None (dropless) or a float > 0")
         for name in ("balance_loss_weight", "z_loss_weight", "entropy_loss_weight"):
             check(getattr(self, name) >= 0, name, getattr(self, name), "a float >= 0")
-        check(self.entropy_mode in ENTROPY_MODES, "entropy_mode", self.entropy_mode, " | ".join(ENTROPY_MODES))
         check(self.heads >= 1, "heads", self.heads, "an integer >= 1")
         check(0 <= self.mlp_layers <= 3, "mlp_layers", self.mlp_layers, "0..3")
-        check(self.residual in RESIDUALS, "residual", self.residual, " | ".join(RESIDUALS))
-        check(self.impl in IMPLS, "impl", self.impl, " | ".join(IMPLS))
-        check(self.capacity_priority in CAPACITY_PRIORITIES, "capacity_priority", self.capacity_priority,
-              " | ".join(CAPACITY_PRIORITIES))
         if self.router == "expert_choice":
             check(not self.aux_free_bias, "aux_free_bias", True, "False with router=expert_choice")
 

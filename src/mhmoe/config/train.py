@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from mhmoe.config.fields import INT64, check, check_types
 
-SCHEDULES = ("linear", "cosine", "constant")
-DTYPES = ("float32", "bfloat16")
-DEVICES = ("auto", "cpu", "cuda")
-PARALLEL = ("auto", "none", "ddp", "fsdp")
+Schedule = Literal["linear", "cosine", "constant"]
+DType = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+Parallel = Literal["auto", "none", "ddp", "fsdp"]
+SCHEDULES, DTYPES, DEVICES, PARALLEL = (get_args(t) for t in (Schedule, DType, Device, Parallel))
 #: tokens of one micro-batch (batch_size * seq_len): past this, index arithmetic of int32 kernels overflows and
 #: no machine holds the activations; a smaller batch that still does not fit fails with a one-line out-of-memory
 MAX_MICRO_BATCH_TOKENS = 2**31 - 1
@@ -27,7 +29,7 @@ class TrainConfig:
     lr: float = 5e-4
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
     warmup_steps: int = 100
-    schedule: str = "linear"  # linear | cosine | constant (after warm-up)
+    schedule: Schedule = "linear"  # linear | cosine | constant (after warm-up)
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
@@ -37,12 +39,12 @@ class TrainConfig:
     lr_stage2_ratio: float = 1.0
     wd_stage2: float | None = None
     grad_clip: float = 1.0  # 0 = off
-    dtype: str = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
+    dtype: DType = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
     compile: bool = False  # torch.compile the model
     # with compile, on CUDA: capture the compiled forward and backward as CUDA graphs (torch.compile mode
     # "reduce-overhead"); the default paths have no host synchronisation, so the capture holds
     cuda_graphs: bool = False
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch.set_num_threads on CPU (0 = torch default)
     seed: int = 1337
     log_every: int = 10
@@ -54,11 +56,11 @@ class TrainConfig:
     # scale-out (docs/DISTRIBUTED.md), launch properties taken from the command even on --resume:
     # parallel: auto (ddp under torchrun with WORLD_SIZE > 1, else none) | none | ddp | fsdp (FSDP2);
     # ep: expert-parallel group size (divides the world size and model.moe.n_experts; needs ddp)
-    parallel: str = "auto"
+    parallel: Parallel = "auto"
     ep: int = 1
 
     def __post_init__(self) -> None:
-        check_types(self, "train.")
+        check_types(self, "train.")  # types, and the Literal options (schedule, dtype, device, parallel)
         for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches", "keep_last"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"train.{name}", v, "an integer >= 1")
@@ -68,16 +70,12 @@ class TrainConfig:
         check(0 <= self.seed < INT64, "train.seed", self.seed, "an integer in 0..2**63-1")
         check(self.batch_size * self.seq_len <= MAX_MICRO_BATCH_TOKENS, "train.batch_size", self.batch_size,
               f"an integer >= 1 with batch_size * seq_len <= {MAX_MICRO_BATCH_TOKENS:,} (seq_len={self.seq_len})")
-        check(self.parallel in PARALLEL, "train.parallel", self.parallel, " | ".join(PARALLEL))
         check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
                "an integer >= 1 (1 = no expert parallelism)")
         check(self.compile or not self.cuda_graphs, "train.cuda_graphs", self.cuda_graphs,
               "false, or true together with train.compile=true (CUDA graphs capture the compiled model)")
         check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
-        check(self.schedule in SCHEDULES, "train.schedule", self.schedule, " | ".join(SCHEDULES))
-        check(self.dtype in DTYPES, "train.dtype", self.dtype, " | ".join(DTYPES))
-        check(self.device in DEVICES, "train.device", self.device, " | ".join(DEVICES))
         for name in ("beta1", "beta2"):
             check(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name), "a float in [0, 1)")
         check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")

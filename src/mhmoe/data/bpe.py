@@ -21,8 +21,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mhmoe.config.data import MIN_BPE_VOCAB
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
+from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write
 
 BPE_VERSION = 1
 BPE_FILE = "tokenizer.json"
@@ -67,7 +68,7 @@ class BPETokenizer(Tokenizer):
         return sha256_hex("bpe", self._json)
 
     def _save_files(self, directory: Path) -> dict[str, Any]:
-        atomic_write_bytes(directory / BPE_FILE, self._json.encode("utf-8"))
+        atomic_write(directory / BPE_FILE, self._json.encode("utf-8"))
         return {"file": BPE_FILE, "tokenizers_version": tokenizers.__version__}
 
     @classmethod

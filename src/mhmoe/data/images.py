@@ -34,8 +34,8 @@ import numpy as np
 
 from mhmoe.data.documents import CorpusUnavailableError, assign_splits
 from mhmoe.data.token_cache import default_cache_dir
-from mhmoe.data.tokenizer_base import atomic_write_bytes
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write, sha256_file
 
 IMAGE_VAL_PERCENT = 10
 IMAGE_TEST_PERCENT = 10
@@ -134,13 +134,6 @@ def _unavailable(message: str) -> DataError:
     return CorpusUnavailableError(message)
 
 
-def _sha256_file(path: Path) -> str:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-
-
 def render_emoji(font_path: Path = EMOJI_FONT, size: int = EMOJI_SIZE) -> tuple[np.ndarray, list[int]]:
     """Render every named single-code-point emoji of the font: ``uint8 [N, size, size, 3]`` and the
     code points.  Glyphs are drawn at the font's bitmap size (109 px), composited on white, centred
@@ -186,7 +179,7 @@ def load_emoji_images(font_path: Path = EMOJI_FONT, cache_dir: str | os.PathLike
     except ImportError:
         raise _unavailable(f"image set 'emoji' needs Pillow: {EMOJI_INSTALL}") from None
     meta = {
-        "font_sha256": _sha256_file(font_path),
+        "font_sha256": sha256_file(font_path),
         "pillow": PIL.__version__,
         "unidata": unicodedata.unidata_version,
         "size": EMOJI_SIZE,
@@ -205,7 +198,7 @@ def load_emoji_images(font_path: Path = EMOJI_FONT, cache_dir: str | os.PathLike
         images, cps = render_emoji(font_path, EMOJI_SIZE)
         buf = io.BytesIO()
         np.savez(buf, images=images, codepoints=np.array(cps, dtype=np.int64))
-        atomic_write_bytes(path, buf.getvalue())
+        atomic_write(path, buf.getvalue())
     ids = tuple(f"emoji/U+{cp:04X}" for cp in cps)
     captions = tuple(unicodedata.name(chr(cp)).lower() for cp in cps)
     return ImageSet("emoji", f"Noto Color Emoji {font_path}", images, ids, captions, True, EMOJI_PATCH)
@@ -329,5 +322,5 @@ def load_or_fit_codebook(
     codes = nearest_code(patchify(image_set.images, image_set.patch), centroids)
     buf = io.BytesIO()
     np.savez(buf, centroids=centroids, codes=codes.astype(np.uint16 if k <= 65536 else np.int64))
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
     return VisualCodebook(centroids, codes, image_set.patch, key, True, meta)

@@ -45,8 +45,8 @@ from pathlib import Path
 
 from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, assign_splits, doc_hash
 from mhmoe.data.token_cache import default_cache_dir
-from mhmoe.data.tokenizer_base import atomic_write_bytes
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write, sha256_file
 
 DPKG_INFO = Path("/var/lib/dpkg/info")
 MAN_ROOT = Path("/usr/share/man")
@@ -254,20 +254,13 @@ def _gunzip(data: bytes, where: str) -> bytes:
         raise DataError(f"{where}: corrupt gzip data ({e})") from None
 
 
-def _file_sha256(path: str) -> str:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-
-
 def _cache_key(lang: ManLanguage, pages: Sequence[tuple[str, bytes]], mandoc: str) -> str:
     h = hashlib.sha256()
     meta = {
         "format": CACHE_FORMAT,
         "render": RENDER_VERSION,
         "options": MANDOC_OPTIONS,
-        "mandoc_sha256": _file_sha256(mandoc),
+        "mandoc_sha256": sha256_file(mandoc),
         "lang": lang.code,
         "boilerplate": lang.boilerplate,
     }
@@ -336,7 +329,7 @@ def load_man_documents(
         if not docs:
             raise DataError(f"corpus {lang.corpus_name!r}: no text rendered from {len(pages)} pages")
         body = "".join(json.dumps({"id": d.id, "text": d.text}, ensure_ascii=False) + "\n" for d in docs)
-        atomic_write_bytes(cache, gzip.compress(body.encode("utf-8"), compresslevel=6, mtime=0))
+        atomic_write(cache, gzip.compress(body.encode("utf-8"), compresslevel=6, mtime=0))
     _MEMO[cache] = docs = tuple(docs)
     return list(docs)
 

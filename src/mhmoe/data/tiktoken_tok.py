@@ -21,8 +21,9 @@ from typing import Any
 
 import tiktoken
 
-from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, atomic_write_bytes, encode_in_pieces, sha256_hex
+from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write
 
 # sha256 values from tiktoken_ext/openai_public.py (tiktoken 0.6 .. 0.14).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -168,7 +169,7 @@ class TiktokenTokenizer(Tokenizer):
         )
 
     def _save_files(self, directory: Path) -> dict[str, Any]:
-        atomic_write_bytes(directory / RANKS_FILE, self._ranks_bytes)
+        atomic_write(directory / RANKS_FILE, self._ranks_bytes)
         return {
             "file": RANKS_FILE,
             "ranks_sha256": hashlib.sha256(self._ranks_bytes).hexdigest(),

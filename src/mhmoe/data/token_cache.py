@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from mhmoe.data.documents import Document, source_hash
-from mhmoe.data.tokenizer_base import Tokenizer, atomic_write_bytes, check_path_component
+from mhmoe.data.tokenizer_base import Tokenizer, check_path_component
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write, sha256_file
 
 CACHE_FORMAT_VERSION = 1
 VERIFY_MAX_BYTES = 512 * 2**20
@@ -90,7 +90,7 @@ def check_cached(bin_path: Path, expected: dict[str, Any]) -> tuple[dict[str, An
     if not isinstance(n_tokens, int) or size != n_tokens * itemsize or size != manifest.get("n_bytes"):
         return None, f"token file size {size} bytes does not match manifest n_tokens={n_tokens!r}"
     if size <= VERIFY_MAX_BYTES:
-        digest = hashlib.sha256(bin_path.read_bytes()).hexdigest()
+        digest = sha256_file(bin_path)
         if digest != manifest.get("sha256"):
             return None, "token file checksum mismatch"
     return manifest, ""
@@ -116,13 +116,13 @@ def build_token_file(
     *,
     max_tokens: int | None = None,
     progress: bool = False,
+    root: Path | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``documents`` (EOS after each) into ``bin_path``, stopping after ``max_tokens``;
-    documents are encoded in ~1 MB groups so a capped build only encodes what it needs."""
+    documents are encoded in ~1 MB groups so a capped build only encodes what it needs. ``root``: the
+    cache directory (symlinked directories below it are refused, see :mod:`mhmoe.runtime.files`)."""
     dtype = np.dtype(expected["dtype"])
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=bin_path.parent, prefix=f".{bin_path.name}.", suffix=".tmp")
-    h, n_tokens, n_docs = hashlib.sha256(), 0, 0
+    h, counts = hashlib.sha256(), {"tokens": 0, "docs": 0}
     groups = _encode_groups(documents)
     bar = None
     if progress:
@@ -131,36 +131,36 @@ def build_token_file(
         bar = tqdm(
             total=len(documents), desc=f"tokenize {expected['corpus']}/{expected['split']}", unit="doc"
         )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for group in groups:
-                if max_tokens is not None and n_tokens >= max_tokens:
+
+    def write(f: Any) -> None:
+        for group in groups:
+            if max_tokens is not None and counts["tokens"] >= max_tokens:
+                break
+            for ids in tokenizer.encode_batch([d.text for d in group]):
+                ids.append(tokenizer.eos_id)
+                if max_tokens is not None:
+                    ids = ids[: max_tokens - counts["tokens"]]
+                arr = np.asarray(ids, dtype=dtype)
+                f.write(arr.tobytes())
+                h.update(arr.tobytes())
+                counts["tokens"] += len(arr)
+                counts["docs"] += 1
+                if max_tokens is not None and counts["tokens"] >= max_tokens:
                     break
-                for ids in tokenizer.encode_batch([d.text for d in group]):
-                    ids.append(tokenizer.eos_id)
-                    if max_tokens is not None:
-                        ids = ids[: max_tokens - n_tokens]
-                    arr = np.asarray(ids, dtype=dtype)
-                    f.write(arr.tobytes())
-                    h.update(arr.tobytes())
-                    n_tokens += len(arr)
-                    n_docs += 1
-                    if max_tokens is not None and n_tokens >= max_tokens:
-                        break
-                if bar is not None:
-                    bar.update(len(group))
-        os.replace(tmp, bin_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            if bar is not None:
+                bar.update(len(group))
+
+    try:
+        atomic_write(bin_path, write, root=root)
     finally:
         if bar is not None:
             bar.close()
+    n_tokens, n_docs = counts["tokens"], counts["docs"]
     manifest = dict(expected)
     manifest.update(
         n_tokens=n_tokens, n_bytes=n_tokens * dtype.itemsize, n_documents=n_docs, sha256=h.hexdigest()
     )
-    atomic_write_bytes(bin_path.with_suffix(".json"), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    atomic_write(bin_path.with_suffix(".json"), json.dumps(manifest, indent=2, sort_keys=True), root=root)
     return manifest
 
 
@@ -204,7 +204,7 @@ def load_or_build_tokens(
         log.info("rebuilding %s: %s", bin_path, reason)
     t0 = time.perf_counter()
     manifest = build_token_file(
-        bin_path, documents, tokenizer, expected, max_tokens=max_tokens, progress=progress
+        bin_path, documents, tokenizer, expected, max_tokens=max_tokens, progress=progress, root=cache_dir
     )
     elapsed = time.perf_counter() - t0
     tokens = _open_tokens(bin_path, dtype, manifest["n_tokens"])

@@ -16,13 +16,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mhmoe.errors import DataError
+from mhmoe.runtime.files import atomic_write
 
 EOS_TEXT = "<|endoftext|>"
 META_FILE = "tokenizer_meta.json"
@@ -41,19 +41,6 @@ def check_path_component(value: object, what: str) -> str:
     if not ok:
         raise DataError(f"{what} {value!r} is not a plain file name (no '/', '\\', '..' or control characters)")
     return value
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory + ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sha256_hex(*parts: bytes | str) -> str:
@@ -154,7 +141,7 @@ class Tokenizer(ABC):
             "fingerprint": self.fingerprint,
         }
         meta.update(self._save_files(d))
-        atomic_write_bytes(d / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
+        atomic_write(d / META_FILE, json.dumps(meta, indent=2, sort_keys=True).encode())
         return d
 
     @classmethod

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from mhmoe.data.tokenizer_base import atomic_write_bytes
+from mhmoe.runtime.files import atomic_write
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 TASK_NAMES = ("mhmoe_kjv_cloze", "mhmoe_kjv_ppl")
@@ -101,8 +101,8 @@ def build_tasks(out_dir: str | Path = TASKS_DIR, absolute_paths: bool = False) -
     out = Path(out_dir)
     books = [(d.id, d.text) for d in load_corpus("kjv").split("test")]
     cloze, docs = make_cloze(books), make_ppl_docs(books)
-    atomic_write_bytes(out / "kjv_cloze.jsonl", _jsonl(cloze))
-    atomic_write_bytes(out / "kjv_ppl.jsonl", _jsonl(docs))
+    atomic_write(out / "kjv_cloze.jsonl", _jsonl(cloze))
+    atomic_write(out / "kjv_ppl.jsonl", _jsonl(docs))
     _write_yamls(out, out if absolute_paths else None)
     return {"mhmoe_kjv_cloze": len(cloze), "mhmoe_kjv_ppl": len(docs)}
 
@@ -113,7 +113,7 @@ def _write_yamls(out: Path, data_dir: Path | None) -> None:
         files = cfg["dataset_kwargs"]["data_files"]
         if data_dir is not None:
             files["test"] = str((data_dir / files["test"]).resolve())
-        atomic_write_bytes(out / f"{cfg['task']}.yaml", yaml.safe_dump(cfg, sort_keys=False).encode("utf-8"))
+        atomic_write(out / f"{cfg['task']}.yaml", yaml.safe_dump(cfg, sort_keys=False).encode("utf-8"))
 
 
 def task_dir(cache_dir: str | Path = "") -> Path:

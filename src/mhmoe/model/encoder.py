@@ -13,12 +13,12 @@ V joint vocabulary (text ids, visual codes, ``[PAD] [MASK] [CLS] [SEP]``:
     loss = cross-entropy(logits, targets) over the masked positions (loss_mask)
 
 Everything but the attention mask and the input embeddings is the decoder's
-(:mod:`mhmoe.model.lm`): the same attention projections and RoPE (:class:`BidirectionalAttention`
-subclasses its :class:`~mhmoe.model.lm.Attention`), RMSNorm, FFN layers, initialisation and
-aux-loss-free balancing step. BEiT-3 differs in two places, both deliberate: one tied softmax over
-the joint vocabulary (BEiT-3 has a vision and a language head; a single head makes the masked
-perplexity of both modalities comparable across models with one number), and RoPE plus learned
-modality and patch row/column embeddings in place of BEiT-3's learned absolute positions.
+(:mod:`mhmoe.model.lm`): the same :class:`~mhmoe.model.lm.Block` (built with ``causal=False``: its
+attention masks padding keys only), RMSNorm, initialisation and aux-loss-free balancing step. BEiT-3
+differs in two places, both deliberate: one tied softmax over the joint vocabulary (BEiT-3 has a vision
+and a language head; a single head makes the masked perplexity of both modalities comparable across
+models with one number), and RoPE plus learned modality and patch row/column embeddings in place of
+BEiT-3's learned absolute positions.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhmoe.config.model import ModelConfig
-from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm import LM, Attention, RMSNorm, apply_rope, rope_tables
-from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
+from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables
+from mhmoe.moe.layers import FFNOutput, RoutingStats
 
 N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)
 
@@ -56,41 +55,6 @@ class EncoderOutput:
         return self.loss + self.aux_loss
 
 
-class BidirectionalAttention(Attention):
-    """The decoder's attention (qkv/output projections, RoPE, BitNet sub-norm) without the causal mask:
-    every query attends to every key that is not padding."""
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
-        """x [B, T, D]; cos/sin [T, HD/2]; key_mask [B, T] bool (False = padding, never attended to)."""
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None if key_mask is None else key_mask[:, None, None, :].bool()  # [B, 1, 1, T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, D)
-        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
-
-
-class EncoderBlock(nn.Module):
-    """Pre-norm block: bidirectional attention, then the dense or (MH-)MoE FFN on the real positions."""
-
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
-        super().__init__()
-        self.is_moe = cfg.is_moe_block(index)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = BidirectionalAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std,
-                                                        quant=cfg.quant)
-        self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> tuple[Tensor, FFNOutput]:
-        """x [B, T, D]; mask [B, T] bool (True = real position) for attention keys and routing."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        f = self.ffn(self.ffn_norm(x), mask)
-        return x + f.out, f
-
-
 class Encoder(nn.Module):
     """The masked-data encoder. forward(input_ids [B, T], modality, patch_pos, attention_mask, targets,
     loss_mask) -> :class:`EncoderOutput` (see :meth:`forward`)."""
@@ -108,7 +72,7 @@ class Encoder(nn.Module):
         # patch grid coordinates are below the sequence length, so max_seq_len rows always suffice
         self.patch_row = nn.Embedding(cfg.max_seq_len, d)
         self.patch_col = nn.Embedding(cfg.max_seq_len, d)
-        self.blocks = nn.ModuleList(EncoderBlock(cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i, causal=False) for i in range(cfg.n_layers))
         self.norm = RMSNorm(d, cfg.norm_eps)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -161,7 +125,7 @@ class Encoder(nn.Module):
         routing: list[RoutingStats] = []
         outputs: list[FFNOutput] = []
         for block in self.blocks:
-            x, f = block(x, cos, sin, attention_mask)
+            x, f = block(x, cos, sin, attention_mask, key_mask=attention_mask)
             if block.is_moe:
                 aux = aux + f.aux_loss
                 if f.stats is not None:

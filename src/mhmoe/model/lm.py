@@ -27,6 +27,7 @@ from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.pretrained import PretrainedMixin
+from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
 from mhmoe.quant.bitnet import BitLinear, SubNorm
 
@@ -96,8 +97,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Multi-head self-attention with RoPE: causal (the decoder; KV cache for decoding) or bidirectional
+    (the encoder: every query attends to every key that is not padding)."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
         quantized = cfg.quant != "none"
         linear = BitLinear if quantized else nn.Linear
@@ -107,43 +112,57 @@ class Attention(nn.Module):
         # qkv input is already normalised by the block's pre-norm
         self.sub_norm = SubNorm(cfg.d_model, cfg.norm_eps) if quantized else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
                 key_mask: Tensor | None = None) -> Tensor:
-        """x [B, T, D]; key_mask [B, T_past + T] bool (False = padding key, never attended to)."""
+        """x [B, T, D]; cos/sin [T, HD/2]; key_mask [B, T_past + T] bool (False = padding key, never
+        attended to); ``cache`` (causal only) holds the keys and values of earlier positions."""
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = 0
+        if not self.causal:
+            mask = None if key_mask is None else key_mask[:, None, None, :].bool()  # [B, 1, 1, T]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = self._causal(q, k, v, cache, layer, key_mask)
+        y = y.transpose(1, 2).reshape(B, T, D)
+        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
+
+    @staticmethod
+    def _causal(q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int,
+                key_mask: Tensor | None) -> Tensor:
+        """q/k/v [B, NH, T, HD] -> [B, NH, T, HD]: each query sees its own and earlier positions."""
+        T, past = q.shape[2], 0
         if cache is not None:
             past = cache.layer_length(layer)
             k, v = cache.update(layer, k, v)
         if key_mask is not None or (past and T > 1):  # padding, or chunked prefill after a prefix
             S = k.shape[2]
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
             if key_mask is not None:  # every query keeps its own key, so padded rows stay finite
-                diag = torch.zeros(T, S, dtype=torch.bool, device=x.device)
-                diag[:, S - T:] = torch.eye(T, dtype=torch.bool, device=x.device)
+                diag = torch.zeros(T, S, dtype=torch.bool, device=q.device)
+                diag[:, S - T:] = torch.eye(T, dtype=torch.bool, device=q.device)
                 mask = (mask & key_mask[:, None, None, :].bool()) | diag
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
-        y = y.transpose(1, 2).reshape(B, T, D)
-        return self.proj(y if self.sub_norm is None else self.sub_norm(y))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    """Pre-norm transformer block: attention (causal or bidirectional), then the dense or (MH-)MoE FFN
+    (every ``moe_every``-th block) on the real positions (``mask``)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, causal: bool = True) -> None:
         super().__init__()
         self.is_moe = cfg.is_moe_block(index)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, causal)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         ffn_cfg = cfg.moe if self.is_moe else MoEConfig(kind="dense", d_expert=cfg.d_ff, init_std=cfg.init_std,
                                                         quant=cfg.quant)
         self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None,
-                layer: int, key_mask: Tensor | None = None) -> tuple[Tensor, FFNOutput]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, cache: KVCache | None = None,
+                layer: int = 0, key_mask: Tensor | None = None) -> tuple[Tensor, FFNOutput]:
+        """x [B, T, D]; mask [B, T] (True = a real position, routed); key_mask: see :class:`Attention`."""
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, key_mask)
         f = self.ffn(self.ffn_norm(x), mask)
         return x + f.out, f
@@ -183,7 +202,7 @@ class LM(nn.Module, PretrainedMixin):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=out_std)
             for m in block.ffn.modules():
-                if hasattr(m, "w1") and hasattr(m, "reset_parameters"):
+                if isinstance(m, GroupedExperts):  # routed, shared and dense experts
                     m.reset_parameters(std, out_std)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, mask: Tensor | None = None,

@@ -8,29 +8,31 @@ model directory, so the same directory also loads with ``AutoModelForCausalLM.fr
     model.safetensors     weights, keys "model.<LM parameter name>", tied embeddings stored once
     tokenizer/            the tokenizer (mhmoe.data.Tokenizer.save), when one was given
 
-:meth:`PretrainedMixin.from_pretrained` reads such a directory, a ``mhmoe export --hf`` directory, a
-checkpoint directory (``RUN/checkpoints/step_N``: hashes verified, as in training) or a run directory
-(its newest valid checkpoint). Loading never executes code (safetensors and JSON/YAML only) and never
-reads outside the directory (fixed file names; symlinks that lead out are refused). Sharded (DCP)
-checkpoints need the training stack: :func:`mhmoe.load` reads those.
+:meth:`PretrainedMixin.from_pretrained` reads such a model directory or a ``mhmoe export --hf``
+directory itself; a checkpoint directory (``RUN/checkpoints/step_N``) or a run directory (its newest
+valid checkpoint) it reads through the one loader of run directories,
+:func:`mhmoe.checkpoint.open_checkpoint` with :func:`mhmoe.checkpoint.newest_valid` (hashes verified,
+as in training). Loading never executes code (safetensors and JSON/YAML only) and never reads outside
+the directory (fixed file names; symlinks that lead out are refused). Sharded (DCP) checkpoints hold an
+optimizer and a trainer state too: :func:`mhmoe.load` reads those.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from mhmoe.checkpoint.format import check_links, is_checkpoint_dir, newest_valid
+from mhmoe.checkpoint.read import open_checkpoint, read_safetensors
 from mhmoe.config.model import ModelConfig
-from mhmoe.config.run import RunConfig
-from mhmoe.errors import CheckpointError, ConfigError
-from mhmoe.runtime.checkpoint_files import check_links, first_line, is_checkpoint_dir, newest_valid, verify_checkpoint
+from mhmoe.errors import CheckpointError, ConfigError, one_line
+from mhmoe.runtime.files import atomic_write, publish_dir, staging_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,36 +76,41 @@ def saved_dir_files(d: Path) -> PretrainedFiles:
 
 
 def checkpoint_dir_files(d: Path) -> PretrainedFiles:
-    """A training checkpoint directory (meta.json verified: sizes, hashes, names inside the directory)."""
-    meta = verify_checkpoint(d)
-    if meta.get("format") == "dcp":
+    """A training checkpoint directory, opened by :func:`mhmoe.checkpoint.open_checkpoint` (meta.json
+    verified: sizes, hashes, names inside the directory; config read)."""
+    files = open_checkpoint(d)
+    if files.format == "dcp":
         raise CheckpointError(f"{d}: a sharded (DCP) checkpoint; load it with mhmoe.load(path), or convert it "
                               "with `mhmoe convert-checkpoint PATH OUT --to safetensors`")
+    return PretrainedFiles(files.run.model, files.weights, _tokenizer_dir(d), files.step, d)
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: Path | str) -> None:
+    """Load ``state`` into ``model``; CheckpointError (one line) unless every parameter and persistent
+    buffer is present with its shape and nothing else is. Of tied parameters (one tensor, several
+    names: the LM head and the embedding) one name suffices, as safetensors stores them once."""
     try:
-        cfg = RunConfig.load(d / "config.yaml").model
-    except (OSError, ConfigError) as exc:
-        raise CheckpointError(f"{d}: config.yaml cannot be loaded ({first_line(exc)})") from None
-    return PretrainedFiles(cfg, d / WEIGHTS_FILE, _tokenizer_dir(d), int(meta["step"]), d)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatch
+        raise CheckpointError(f"{where}: weights do not match the config ({one_line(exc)})") from None
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    loaded = set(state)
+    tied_ok = {n for group in names.values() if loaded.intersection(group) for n in group}
+    missing = [m for m in missing if m not in tied_ok]
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: weights do not match the config (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
 
 
 def load_weights(model: torch.nn.Module, files: PretrainedFiles) -> None:
     """Load ``files.weights`` into ``model`` (keys with or without the transformers ``model.`` prefix);
-    CheckpointError unless every parameter is present with its shape (a tied LM head may be absent)."""
-    try:
-        state = load_file(str(files.weights), device="cpu")
-    except Exception as exc:  # noqa: BLE001 -- SafetensorError, OSError: a damaged file
-        raise CheckpointError(f"{files.path}: {WEIGHTS_FILE} cannot be read ({first_line(exc)})") from None
+    CheckpointError unless every parameter is present with its shape (:func:`load_state`)."""
+    state = read_safetensors(files.weights, files.path)
     if state and all(k.startswith(KEY_PREFIX) for k in state):
         state = {k[len(KEY_PREFIX):]: v for k, v in state.items()}
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatch
-        raise CheckpointError(f"{files.path}: weights do not match the config ({first_line(exc)})") from None
-    tied = {"lm_head.weight"} if files.config.tie_embeddings else set()
-    missing = [m for m in missing if m not in tied and not m.startswith("rope_")]
-    if missing or unexpected:
-        raise CheckpointError(f"{files.path}: weights do not match the config (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+    load_state(model, state, files.path)
 
 
 def find_pretrained(path: str | os.PathLike[str], warn: bool = True) -> PretrainedFiles:
@@ -130,15 +137,6 @@ def config_json(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
             "pad_token_id": eos_id}
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``; an existing ``out`` is replaced only after ``tmp`` is complete."""
-    old = out.parent / f".old-{out.name}-{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 class PretrainedMixin:
     """``from_pretrained`` / ``save_pretrained`` for :class:`mhmoe.model.LM` (which sets ``cfg``)."""
 
@@ -162,21 +160,14 @@ class PretrainedMixin:
         Everything is written into a hidden sibling first and renamed into place, so ``directory`` is never
         half-written. An existing non-empty ``directory`` is refused unless ``overwrite=True``."""
         out = Path(directory)
-        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        if (out.exists() and not out.is_symlink() and (not out.is_dir() or (any(out.iterdir()) and not overwrite))):
             raise CheckpointError(f"{out}: already exists and is not an empty directory (refusing to overwrite; "
                                   "pass overwrite=True to replace it)")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
+        with staging_dir(out) as tmp:
             save_file(_weights_for_saving(self, self.cfg), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             eos = getattr(tokenizer, "eos_id", None)
-            (tmp / CONFIG_FILE).write_text(json.dumps(config_json(self.cfg, eos), indent=2), encoding="utf-8")
+            atomic_write(tmp / CONFIG_FILE, json.dumps(config_json(self.cfg, eos), indent=2), durable=False)
             if tokenizer is not None:
                 tokenizer.save(tmp / TOKENIZER_DIRS[0])
-            _publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            publish_dir(tmp, out, replace=True)
         return out

@@ -1,7 +1,10 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): save from any world size, load at
-any other (DCP reshards by global tensor offsets), convert to / from the single-file safetensors format.
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP) in a torchrun job: the collective
+save from any world size and the resharded load at any other (DCP reshards by global tensor offsets).
+Only what needs a process group is here; the format, the restricted reader, single-process reading and
+the conversions are :mod:`mhmoe.checkpoint` and :mod:`mhmoe.train.checkpoint` (``dcp_to_safetensors``
+and ``safetensors_to_dcp`` are re-exported here for old imports; import them from there).
 
-Layout of a DCP checkpoint (same directory scheme as :mod:`mhmoe.train.checkpoint`)::
+Layout of a DCP checkpoint (same directory scheme as single-file checkpoints)::
 
     RUN/checkpoints/step_00000600/
         dcp/               DCP files (.metadata + one __<rank>_0.distcp per writing rank) holding
@@ -13,18 +16,17 @@ Expert parameters under expert parallelism are saved as DTensors on the ``("dp",
 placements ``[Replicate(), Shard(0)]`` (DDP) or on the ``("ep", "dp")`` mesh with ``[Shard(0), Shard(0)]``
 (FSDP2 shards each rank's experts over dp), global shape [E, ...]; other FSDP2 parameters are DTensors
 already; DDP parameters are plain replicated tensors (DCP writes one copy). All ranks write into a
-hidden temporary directory that rank 0 renames into place after the metadata is complete, so a
-crash never leaves a half-written checkpoint under a real name (a shared filesystem is assumed
-across nodes). :func:`mhmoe.train.checkpoint.load_checkpoint` reads DCP checkpoints in one process
-(:mod:`mhmoe.train.dcp_reader`), so ``eval``, ``generate`` and a single-process ``train --resume`` accept them.
+hidden temporary directory that rank 0 publishes (fsync'd, renamed into place) after the metadata is
+complete, so a crash never leaves a half-written checkpoint under a real name (a shared filesystem is
+assumed across nodes). :func:`mhmoe.train.checkpoint.load_checkpoint` reads DCP checkpoints in one
+process, so ``eval``, ``generate`` and a single-process ``train --resume`` accept them.
 
-Checkpoints are read only through :mod:`mhmoe.train.dcp_safe` (a restricted unpickler for ``.metadata``,
-``weights_only=True`` for every item): loading a checkpoint never executes code from it.
+Checkpoints are read only through :mod:`mhmoe.checkpoint.dcp_reader` (a restricted unpickler for
+``.metadata``, ``weights_only=True`` for every item): loading a checkpoint never executes code from it.
 """
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,25 +39,26 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mhmoe.config.run import RunConfig
-from mhmoe.data.tokenizer import load_tokenizer
-from mhmoe.errors import CheckpointError
-from mhmoe.train.checkpoint import load_checkpoint, save_checkpoint
-from mhmoe.train.checkpoint_format import (
-    CKPT_DIR,
+from mhmoe.checkpoint import (
+    DCP_DIR,
     FORMAT_VERSION,
-    PREFIX,
-    Checkpoint,
-    first_line,
     list_checkpoints,
     model_is_finite,
     publish_checkpoint,
+    read_trainer_state,
     verify_checkpoint,
     warn_if_unsafe_torch,
 )
-from mhmoe.train.dcp_reader import DCP_DIR, load_trainer_state
-from mhmoe.train.dcp_safe import SafeFileSystemReader
-from mhmoe.train.optim import build_optimizer
+from mhmoe.checkpoint.dcp_reader import SafeFileSystemReader
+from mhmoe.checkpoint.format import checkpoint_path
+from mhmoe.checkpoint.write import saving, stage_checkpoint, write_common_files
+from mhmoe.config.run import RunConfig
+from mhmoe.data.tokenizer import load_tokenizer
+from mhmoe.errors import CheckpointError, one_line
+from mhmoe.runtime.files import remove_tree, staging_path
+from mhmoe.train.checkpoint import Checkpoint, dcp_to_safetensors, safetensors_to_dcp, to_dcp
+
+__all__ = ["dcp_to_safetensors", "load_dcp_into", "open_latest_dcp", "safetensors_to_dcp", "save_dcp_checkpoint"]
 
 CONVERT_DIR = ".dcp-resume"  # RUN/.dcp-resume/: a single-file checkpoint converted for a torchrun resume
 
@@ -116,41 +119,47 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
     ``model``: the LM (FSDP2-sharded or with EP layers); ``par``: its ParallelModel (None in a single
     process). ``trainer_state``: step, scheduler, RNG and counters (rank 0's is written).
     ``no_dist``: this process alone writes a full (unsharded) model, even inside a process group.
+    Running out of space raises NoSpaceError on the rank that hit it (CheckpointError on the others).
     """
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     if not _agree(model_is_finite(model), distributed):
         raise CheckpointError(f"refusing to save step {step}: the model has non-finite parameters")
-    root = Path(run_dir) / CKPT_DIR
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{final.name}-dcp"
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    final = checkpoint_path(run_dir, step)
+    tmp = staging_path(final, "dcp")
+
+    def on_rank0(write: Any) -> None:  # rank 0 alone writes; every rank learns whether it worked
+        error = None
+        if rank0:
+            try:
+                with saving(run_dir, step):
+                    write()
+            except BaseException as exc:  # noqa: BLE001 -- reported on every rank below
+                remove_tree(tmp)
+                error = exc
+        if not _agree(error is None, distributed):
+            raise error if error is not None else CheckpointError(f"saving step {step} failed on rank 0")
+
+    on_rank0(lambda: stage_checkpoint(run_dir, step, "dcp"))
+    try:
+        with warnings.catch_warnings(), saving(run_dir, step):
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
+            dcp.save(_state(model, optimizer, par), checkpoint_id=str(tmp / DCP_DIR), no_dist=not distributed)
+    except BaseException:
+        if rank0:
+            remove_tree(tmp)
+        raise
     if distributed:
         dist.barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
-        dcp.save(_state(model, optimizer, par), checkpoint_id=str(tmp / DCP_DIR), no_dist=not distributed)
-    if distributed:
-        dist.barrier()
-    error = None
-    if rank0:
-        try:
-            (tmp / "config.yaml").write_text(run.to_yaml(), encoding="utf-8")
-            torch.save({k: v for k, v in trainer_state.items() if k != "optimizer"}, tmp / "trainer_state.pt")
-            tokenizer.save(tmp / "tokenizer")
-            publish_checkpoint(tmp, final, run_dir, {
-                "format_version": FORMAT_VERSION, "format": "dcp", "step": step,
-                "world_size": dist.get_world_size() if distributed else 1,
-                "ep": par.env.ep if par is not None else 1}, keep_last)
-        except BaseException as exc:  # noqa: BLE001 -- reported on every rank below
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = exc
-    if not _agree(error is None, distributed):
-        if error is not None:
-            raise error
-        raise CheckpointError(f"saving step {step} failed on rank 0")
+
+    def finish() -> None:
+        write_common_files(tmp, run, tokenizer, {k: v for k, v in trainer_state.items() if k != "optimizer"})
+        publish_checkpoint(tmp, final, run_dir, {
+            "format_version": FORMAT_VERSION, "format": "dcp", "step": step,
+            "world_size": dist.get_world_size() if distributed else 1,
+            "ep": par.env.ep if par is not None else 1}, keep_last)
+
+    on_rank0(finish)
     return final
 
 
@@ -172,12 +181,12 @@ def load_dcp_into(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
         raise _one_error(path, exc) from None
     _unwrap(sd, par)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    state = load_trainer_state(path)
+    state = read_trainer_state(path, for_resume=True)
     if path.parent.parent.name == CONVERT_DIR:  # a converted single-file checkpoint: done with it
         if distributed:
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
-            shutil.rmtree(path.parent.parent, ignore_errors=True)
+            remove_tree(path.parent.parent)
     return state
 
 
@@ -187,7 +196,7 @@ def _one_error(path: Path, exc: CheckpointException) -> CheckpointError:
         if isinstance(e, CheckpointError):
             return e
     first = errors[0] if errors else exc
-    return CheckpointError(f"{path}: cannot be loaded ({first.__class__.__name__}: {first_line(first)})")
+    return CheckpointError(f"{path}: cannot be loaded ({first.__class__.__name__}: {one_line(first)})")
 
 
 def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
@@ -200,7 +209,7 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
             meta = verify_checkpoint(path)
             if meta.get("format") == "dcp":  # a refused .metadata or trainer state falls back like a corrupted one
                 SafeFileSystemReader(path / DCP_DIR).read_metadata()
-                load_trainer_state(path, int(meta["step"]))
+                read_trainer_state(path, int(meta["step"]), for_resume=True)
         except CheckpointError as exc:
             errors.append(str(exc))
             continue
@@ -209,8 +218,8 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
             error = None
             if dist.get_rank() == 0:
                 try:
-                    shutil.rmtree(conv, ignore_errors=True)
-                    path = _to_dcp(path, conv, no_dist=True)
+                    remove_tree(conv)
+                    path = to_dcp(path, conv)
                 except Exception as exc:  # noqa: BLE001 -- reported on every rank below
                     error = exc
             if not _agree(error is None, True):
@@ -219,26 +228,3 @@ def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
         return Checkpoint(path, int(meta["step"]), RunConfig.load(path / "config.yaml"), None,
                           load_tokenizer(path / "tokenizer"), None)
     raise CheckpointError(f"{run_dir}: no valid checkpoint ({errors[0] if errors else 'none found'})")
-
-
-def dcp_to_safetensors(src: str | Path, out_run_dir: str | Path) -> Path:
-    """Convert DCP checkpoint ``src`` into a single-file checkpoint ``OUT/checkpoints/step_N``."""
-    ck = load_checkpoint(src)
-    return save_checkpoint(out_run_dir, ck.step, ck.model, ck.run, ck.tokenizer, ck.trainer_state)
-
-
-def safetensors_to_dcp(src: str | Path, out_run_dir: str | Path) -> Path:
-    """Convert a checkpoint (single-file or DCP) into a DCP checkpoint ``OUT/checkpoints/step_N``,
-    in this process (``train --resume`` under torchrun does this by itself for a single-file one)."""
-    if dist.is_available() and dist.is_initialized():
-        raise CheckpointError("safetensors_to_dcp runs in a single process (no process group)")
-    return _to_dcp(src, out_run_dir)
-
-
-def _to_dcp(src: str | Path, out_run_dir: str | Path, no_dist: bool = False) -> Path:
-    ck = load_checkpoint(src)
-    optimizer = build_optimizer(ck.model, ck.run.train)
-    if "optimizer" in ck.trainer_state:
-        optimizer.load_state_dict(ck.trainer_state["optimizer"])
-    return save_dcp_checkpoint(out_run_dir, ck.step, ck.model, optimizer, ck.run, ck.tokenizer, ck.trainer_state,
-                               no_dist=no_dist)

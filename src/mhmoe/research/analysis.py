@@ -27,6 +27,7 @@ routing of as many tokens (``random_routing``).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from mhmoe.runtime.files import atomic_write
 
 
 def activation_frequency(experts: Tensor, valid: Tensor, n_experts: int, n_tokens: int) -> Tensor:
@@ -186,11 +189,12 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
     freq: Tensor = summary.pop("frequency")
     div: Tensor = summary.pop("diversity")
-    with open(out / "activation.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["layer"] + [f"expert_{e}" for e in range(freq.shape[1] if freq.numel() else 0)])
-        for i, row in enumerate(freq.tolist()):
-            w.writerow([i] + [f"{v:.6g}" for v in row])
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(["layer"] + [f"expert_{e}" for e in range(freq.shape[1] if freq.numel() else 0)])
+    for i, row in enumerate(freq.tolist()):
+        w.writerow([i] + [f"{v:.6g}" for v in row])
+    atomic_write(out / "activation.csv", buf.getvalue())
     fig, ax = plt.subplots(figsize=(max(6, 0.12 * (freq.shape[1] if freq.numel() else 1)), 1.2 + 0.5 * len(freq)))
     im = ax.imshow(freq.numpy() if freq.numel() else np.zeros((1, 1)), aspect="auto", cmap="viridis")
     ax.set_xlabel("expert")
@@ -199,21 +203,22 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     ax.set_title(f"expert activation (selections / token); activation ratio {summary['activation_ratio']:.3f}")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(out / "activation.png", dpi=120)
+    atomic_write(out / "activation.png", lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
     ids = torch.cat(token_ids) if token_ids else torch.zeros(0, dtype=torch.long)
     values, counts = np.unique(div.numpy().round(3), return_counts=True) if div.numel() else ([], [])
-    with open(out / "diversity.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["mean_distinct_experts", "tokens"])
-        w.writerows(zip(values, counts, strict=True))
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(["mean_distinct_experts", "tokens"])
+    w.writerows(zip(values, counts, strict=True))
+    atomic_write(out / "diversity.csv", buf.getvalue())
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.hist(div.numpy() if div.numel() else [], bins=30)
     ax.set_xlabel("distinct experts per token (mean over MoE layers)")
     ax.set_ylabel("tokens")
     ax.set_title(f"sub-token assign diversity (mean {summary['mean_assign_diversity']:.2f})")
     fig.tight_layout()
-    fig.savefig(out / "diversity.png", dpi=120)
+    atomic_write(out / "diversity.png", lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
     if div.numel():
         order = torch.argsort(div, descending=True, stable=True)
@@ -221,7 +226,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
         summary["highest_diversity_tokens"] = pick(order[:top].tolist())
         summary["lowest_diversity_tokens"] = pick(order.flip(0)[:top].tolist())
     summary["tokens_analysed"] = int(ids.numel())
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float), encoding="utf-8")
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
 
 
@@ -306,5 +311,5 @@ def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.
                          "std": round(float(np.std(v, ddof=1)), digits) if len(v) > 1 else 0.0}
         rows.append(row)
     out = {"suite_dir": str(root), "threshold": threshold, "batches": batches, "rows": rows}
-    (root / "analysis.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    atomic_write(root / "analysis.json", json.dumps(out, indent=1) + "\n")
     return out

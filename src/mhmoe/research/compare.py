@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.presets import get_preset
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.parallel.launch import train_parallel
 from mhmoe.research.report import write_suite_report
 from mhmoe.research.reproduce import _check_same_run as check_same_run
-from mhmoe.runtime.checkpoint_files import list_checkpoints
 from mhmoe.runtime.console import is_rank0
 
 DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")

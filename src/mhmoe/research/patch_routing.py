@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from mhmoe.data.multimodal import MODALITY_IMAGE, SPECIALS, MaskedMultimodalData
 from mhmoe.errors import ConfigError
 from mhmoe.research.analysis import collect_routing, summarize, write_report
-from mhmoe.train.checkpoint import load_checkpoint, load_latest
-from mhmoe.train.checkpoint_format import PREFIX, Checkpoint, list_checkpoints
-from mhmoe.train.tasks import MaskedMultimodalTask, build_task
+from mhmoe.runtime.files import atomic_write
+from mhmoe.train.checkpoint import PREFIX, Checkpoint, list_checkpoints, load_checkpoint, load_latest
+from mhmoe.train.objectives import MaskedMultimodalObjective, build_objective
 
 MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png: the oldest, the newest and one between
 
@@ -135,8 +135,8 @@ def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batc
     ck = load_latest(checkpoint, device)
     if ck.run.model.arch != "encoder":
         raise ConfigError("--checkpoint", str(checkpoint), "an encoder run (model.arch=encoder)")
-    task = build_task(ck.run, tokenizer=ck.tokenizer)
-    assert isinstance(task, MaskedMultimodalTask)
+    task = build_objective(ck.run, tokenizer=ck.tokenizer)
+    assert isinstance(task, MaskedMultimodalObjective)
     data, batch_size = task.data, ck.run.train.batch_size
     val = [int(i) for i in data.split_images["val"]]
     records, _ = diversity_maps(ck.model, data, val[:batches * batch_size], batch_size, device)
@@ -152,10 +152,10 @@ def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batc
     experts = subtoken_experts(ck.model, data, shown, device)
     draw_fig8(out_dir, [data.image(i) for i in shown], [data.caption(i) for i in shown], maps, experts,
               ck.run.model.moe.n_experts, max_diversity=summary["max_possible_diversity"])
-    (Path(out_dir) / "fig8.json").write_text(json.dumps({
+    atomic_write(Path(out_dir) / "fig8.json", json.dumps({
         "images": shown, "captions": [data.caption(i) for i in shown], "grid": list(data.grid),
         "diversity": {str(s): np.round(m, 4).tolist() for s, m in maps.items()}, "experts": experts.tolist(),
-    }), encoding="utf-8")
+    }))
     summary["fig8"] = str(Path(out_dir) / "fig8.png")
     return summary
 
@@ -206,6 +206,6 @@ def draw_fig8(out_dir: str | Path, images: list[np.ndarray], captions: list[str]
             a.set_yticks([])
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.5, label="diversity: distinct experts per patch")
     path = Path(out_dir) / "fig8.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return path

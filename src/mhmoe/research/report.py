@@ -13,12 +13,14 @@ and one curves figure, beside the run directories::
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from mhmoe.runtime.files import atomic_write
 from mhmoe.train.plots import Curves, mean_curves, plot_curves, read_curves
 
 RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVES_PNG = "results.md", "results.csv", "results.json", "curves.png"
@@ -70,21 +72,20 @@ def markdown_table(runs: list[dict]) -> str:
 def write_runs_csv(runs: list[dict], path: Path, suite: str = "") -> None:
     """One line per run: suite, label, seed, params, FLOPs/token, tokens/s, train seconds, ppl per set."""
     sets = val_sets(runs)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["suite", "label", "seed", "params", "fwd_flops_per_token", "tokens_per_s", "train_s"]
-                   + [f"ppl_{s}" for s in sets])
-        for r in runs:
-            w.writerow([suite, r["label"], r["seed"], r["params"], r["fwd_flops_per_token"],
-                        f"{r['tokens_per_s']:.1f}", f"{r.get('train_s', 0.0):.1f}"]
-                       + [f"{r['eval'][s]['ppl']:.4f}" if s in r.get("eval", {}) else "" for s in sets])
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(["suite", "label", "seed", "params", "fwd_flops_per_token", "tokens_per_s", "train_s"]
+               + [f"ppl_{s}" for s in sets])
+    for r in runs:
+        w.writerow([suite, r["label"], r["seed"], r["params"], r["fwd_flops_per_token"],
+                    f"{r['tokens_per_s']:.1f}", f"{r.get('train_s', 0.0):.1f}"]
+                   + [f"{r['eval'][s]['ppl']:.4f}" if s in r.get("eval", {}) else "" for s in sets])
+    atomic_write(path, buf.getvalue())
 
 
 def write_json(runs: list[dict], path: Path, title: str, extra: dict | None = None) -> None:
     data = {"title": title, **(extra or {}), "models": model_rows(runs), "runs": runs}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=2, default=str))
 
 
 def suite_curves(runs: list[dict]) -> list[Curves]:
@@ -105,7 +106,7 @@ def write_suite_report(runs: list[dict], out: str | os.PathLike[str], title: str
     table = markdown_table(runs)
     n_seeds = max(r["seed"] for r in runs) + 1
     note = f"Seeds: {n_seeds}" + (" (mean ± std over seeds)." if n_seeds > 1 else ".")
-    (out / RESULTS_MD).write_text(f"# {title}\n\n{table}\n\n{note}\n", encoding="utf-8")
+    atomic_write(out / RESULTS_MD, f"# {title}\n\n{table}\n\n{note}\n")
     write_runs_csv(runs, out / RESULTS_CSV, title)
     write_json(runs, out / RESULTS_JSON, title, extra)
     plot_suite_curves(runs, out / CURVES_PNG, title)

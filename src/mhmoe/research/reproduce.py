@@ -15,6 +15,7 @@ model, averaged over seeds). The result files describe the last suite run in the
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
 import sys
@@ -36,6 +37,7 @@ from mhmoe.config.presets import (
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.research.report import plot_suite_curves, write_json
+from mhmoe.runtime.files import atomic_write
 
 
 @dataclass
@@ -211,7 +213,7 @@ def run_table(name: str, out: str | Path, **kwargs) -> list[dict]:
         tables.append((where / "results.md").read_text(encoding="utf-8"))
     if not results:
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
-    (out / "results.md").write_text("\n".join(tables), encoding="utf-8")
+    atomic_write(out / "results.md", "\n".join(tables))
     return results
 
 
@@ -315,13 +317,14 @@ def _check_same_run(run_dir: Path, run: RunConfig) -> None:
 
 def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) -> None:
     sets = sorted({k for r in results for k in r["eval"]}, key=lambda s: (s != "kjv", s))
-    with open(out / "results.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["suite", "label", "seed", "params", "fwd_flops_per_token", "tokens_per_s", "train_s"]
-                   + [f"ppl_{s}" for s in sets])
-        for r in results:
-            w.writerow([name, r["label"], r["seed"], r["params"], r["fwd_flops_per_token"], f"{r['tokens_per_s']:.1f}",
-                        f"{r['train_s']:.1f}"] + [f"{r['eval'][s]['ppl']:.4f}" if s in r["eval"] else "" for s in sets])
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(["suite", "label", "seed", "params", "fwd_flops_per_token", "tokens_per_s", "train_s"]
+               + [f"ppl_{s}" for s in sets])
+    for r in results:
+        w.writerow([name, r["label"], r["seed"], r["params"], r["fwd_flops_per_token"], f"{r['tokens_per_s']:.1f}",
+                    f"{r['train_s']:.1f}"] + [f"{r['eval'][s]['ppl']:.4f}" if s in r["eval"] else "" for s in sets])
+    atomic_write(out / "results.csv", buf.getvalue())
     paper_cols = list(rows[0].paper)
     head = ["model", "params", "FLOPs/token"] + [f"ours {s}" for s in sets] + [f"paper {c}" for c in paper_cols]
     lines = [f"# {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -340,11 +343,11 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) ->
     lines += ["", f"Seeds: {n_seeds}. Ours: validation perplexity (mean ± std over seeds) on our corpora; "
               "paper: its reported perplexity on its own data and scale -- compare orderings, not values."]
     lines += [f"Note: {row.note}" for row in rows if row.note]
-    (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write(out / "results.md", "\n".join(lines) + "\n")
     write_json(results, out / "results.json", name, {"paper": {row.label: row.paper for row in rows}})
     plot_suite_curves(results, out / "curves.png", name)
     summary = summarize_results(name, rows, results, sets)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    atomic_write(out / "summary.json", json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
 
 
 def _r2(v: float) -> float:

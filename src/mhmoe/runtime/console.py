@@ -17,18 +17,14 @@ import warnings
 from collections.abc import Iterator
 from typing import TextIO
 
+from mhmoe.errors import one_line
+
 PREFIX = "mhmoe: warning: "
 
 
 def is_rank0() -> bool:
     """True unless torchrun's ``RANK`` names another rank."""
     return os.environ.get("RANK", "0") in ("", "0")
-
-
-def one_line(message: object) -> str:
-    """The first non-empty line of a warning message, stripped."""
-    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
-    return lines[0] if lines else ""
 
 
 def warn_line(message: str, file: TextIO | None = None) -> None:

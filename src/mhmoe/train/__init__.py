@@ -1,7 +1,7 @@
-"""The training layer: the loop (:mod:`.loop`), optimizer and schedules (:mod:`.optim`), single-file
-checkpoints (:mod:`.checkpoint`), evaluation (:mod:`.evaluate`), logging (:mod:`.metrics`) and the
-single-process parallelism interface (:mod:`.parallelism`) that :mod:`mhmoe.parallel` implements for
-torchrun."""
+"""The training layer: the loop (:mod:`.loop`), optimizer and schedules (:mod:`.optim`), checkpoints
+loaded back into a model and trainer state and ``mhmoe.load`` (:mod:`.checkpoint`), evaluation
+(:mod:`.evaluate`), logging (:mod:`.metrics`) and the single-process parallelism interface
+(:mod:`.parallelism`) that :mod:`mhmoe.parallel` implements for torchrun."""
 
 from mhmoe.train.checkpoint import (
     Checkpoint,

@@ -6,7 +6,7 @@ Reading order: :func:`train` builds a :class:`Trainer`; :meth:`Trainer.run` call
 optimizer and scheduler step), then :meth:`~Trainer.log_step`, :meth:`~Trainer.evaluate` and
 :meth:`~Trainer.save` when they are due, and :meth:`~Trainer.finish` at the end.
 
-What is trained is a task (:mod:`mhmoe.train.tasks`, chosen by ``data.task``): it prepares the data,
+What is trained is an objective (:mod:`mhmoe.train.objectives`, chosen by ``data.task``): it prepares the data,
 draws each micro-batch, runs the model's training forward and evaluates; the loop is the same for the
 causal LM and the masked multi-modal encoder.
 
@@ -37,21 +37,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mhmoe.checkpoint import remove_stale_temporaries
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
+from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
-from mhmoe.train.checkpoint_format import remove_stale_temporaries
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
+from mhmoe.train.objectives import Objective, build_objective
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
-from mhmoe.train.tasks import Task, build_task
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
@@ -160,28 +161,31 @@ class Trainer:
     """One training run. Built by :func:`train`; every method is one named piece of the loop."""
 
     def __init__(self, run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
-                 par: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> None:
-        self.run_dir, self.par, self.stop_after = run_dir, par, stop_after
+                 parallelism: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> None:
+        self.run_dir, self.parallelism, self.stop_after = run_dir, parallelism, stop_after
+        par = parallelism
         if par.is_rank0:
             remove_stale_temporaries(run_dir)  # left by a killed run (the lock says none is writing now)
         self.ckpt = self._open_resume(run, resume, launch_fields)
-        self.run_cfg = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else run
-        self.cfg = self.run_cfg.train
-        if self.cfg.threads:
-            torch.set_num_threads(self.cfg.threads)
-        torch.manual_seed(self.cfg.seed)
-        self.task = self._prepare_task(progress)
+        self.run_config = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else run
+        self.train_config = self.run_config.train
+        if self.train_config.threads:
+            torch.set_num_threads(self.train_config.threads)
+        torch.manual_seed(self.train_config.seed)
+        self.objective = self._prepare_objective(progress)
         self._write_config()
-        self.model = self.ckpt.model if self.ckpt and self.ckpt.model is not None else build_model(self.run_cfg.model)
+        resumed = self.ckpt is not None and self.ckpt.model is not None
+        self.model = self.ckpt.model if resumed else build_model(self.run_config.model)
         self.module = par.parallelize(self.model)
-        self.optimizer = build_optimizer(self.model, self.cfg, fused=par.fused_optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg))
+        self.optimizer = build_optimizer(self.model, self.train_config, fused=par.fused_optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.train_config))
         self.state = self._restore()
         self.start = self.state.step
-        self.forward = compiled(self.module, self.cfg.compile, self.cfg.cuda_graphs, par.device)
+        self.forward = compiled(self.module, self.train_config.compile, self.train_config.cuda_graphs,
+                                self.parallelism.device)
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
-        self.bar = progress_bar(self.cfg.max_steps, self.start, progress and par.is_rank0)
+        self.bar = progress_bar(self.train_config.max_steps, self.start, progress and par.is_rank0)
         self.nan_run = 0
         self.nan_at_start = self.state.nan_total
         self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
@@ -196,45 +200,46 @@ class Trainer:
             raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
                                                           "continue)")
         if not has_ckpt:
-            if resume and self.par.is_rank0:
+            if resume and self.parallelism.is_rank0:
                 print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting from step 0", file=sys.stderr)
             return None
-        ckpt = self.par.load_checkpoint(self.run_dir)
-        if self.par.is_rank0:
+        ckpt = self.parallelism.load_checkpoint(self.run_dir)
+        if self.parallelism.is_rank0:
             taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
             taken.append("data.cache_dir")
             print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
                   f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
-    def _prepare_task(self, progress: bool) -> Task:
-        """The run's task (``data.task``) with its data tokenized and cached (rank 0 first, so the others
+    def _prepare_objective(self, progress: bool) -> Objective:
+        """The run's training objective (``data.task``) with its data tokenized and cached (rank 0 first, so the others
         read its cache); the model's vocabulary is sized from it."""
-        if not self.par.is_rank0:
-            self.par.barrier()
+        if not self.parallelism.is_rank0:
+            self.parallelism.barrier()
         tokenizer = self.ckpt.tokenizer if self.ckpt else None
-        task = build_task(self.run_cfg, tokenizer=tokenizer, rank=self.par.rank, world_size=self.par.world_size,
-                          progress=progress and self.par.is_rank0)
-        if self.par.is_rank0:
-            self.par.barrier()
-        if self.run_cfg.model.vocab_size != task.vocab_size:
-            model = {**self.run_cfg.model.to_dict(), "vocab_size": task.vocab_size}
-            self.run_cfg = RunConfig.from_dict({**self.run_cfg.to_dict(), "model": model})
-        return task
+        par = self.parallelism
+        objective = build_objective(self.run_config, tokenizer=tokenizer, rank=par.rank, world_size=par.world_size,
+                          progress=progress and par.is_rank0)
+        if self.parallelism.is_rank0:
+            self.parallelism.barrier()
+        if self.run_config.model.vocab_size != objective.vocab_size:
+            model = {**self.run_config.model.to_dict(), "vocab_size": objective.vocab_size}
+            self.run_config = RunConfig.from_dict({**self.run_config.to_dict(), "model": model})
+        return objective
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.par.is_rank0:
-            (self.run_dir / "config.yaml").write_text(self.run_cfg.to_yaml(), encoding="utf-8")
+        if self.parallelism.is_rank0:
+            atomic_write(self.run_dir / "config.yaml", self.run_config.to_yaml(), root=self.run_dir)
 
     def _restore(self) -> Progress:
         """Optimizer, scheduler, RNG and counters from the resume checkpoint (fresh counters without one)."""
         if not self.ckpt:
             return Progress()
-        st = self.par.restore(self.ckpt, self.model, self.optimizer)
+        st = self.parallelism.restore(self.ckpt, self.model, self.optimizer)
         self.scheduler.load_state_dict(st["scheduler"])
         torch.set_rng_state(st["rng_cpu"])
-        if self.par.device.type == "cuda" and "rng_cuda" in st:
+        if self.parallelism.device.type == "cuda" and "rng_cuda" in st:
             torch.cuda.set_rng_state(st["rng_cuda"])
         return Progress(st["step"], st["nan_total"], st["tokens_seen"], st["train_s"])
 
@@ -244,24 +249,25 @@ class Trainer:
         optimizer and scheduler step. A non-finite loss or gradient skips the optimizer update on the
         device; nothing here waits for the device (losses and statistics stay tensors)."""
         self.model.train()
-        n = self.cfg.grad_accum
-        lm = torch.zeros((), device=self.par.device)
+        n = self.train_config.grad_accum
+        lm = torch.zeros((), device=self.parallelism.device)
         aux, routing = torch.zeros_like(lm), None
-        graphs = self.cfg.compile and self.cfg.cuda_graphs
+        graphs = self.train_config.compile and self.train_config.cuda_graphs
         for micro in range(n):
-            batch = self.task.micro_batch(step, micro, self.par.device)  # page-locked on CUDA: no wait
+            batch = self.objective.micro_batch(step, micro, self.parallelism.device)  # page-locked on CUDA: no wait
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # one forward + backward per replay
-            with self.par.micro_step(last=micro == n - 1):
-                with autocast_ctx(self.par.device, self.cfg.dtype):
-                    out = self.task.forward(self.forward, batch)
+            with self.parallelism.micro_step(last=micro == n - 1):
+                with autocast_ctx(self.parallelism.device, self.train_config.dtype):
+                    out = self.objective.forward(self.forward, batch)
                 ((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
             routing = sum_routing(routing, _owned(out.routing) if graphs else out.routing)
-        gnorm = self.par.finish_grads(self.model, self.cfg.grad_clip or math.inf, torch.isfinite(lm + aux))
+        max_norm = self.train_config.grad_clip or math.inf
+        gnorm = self.parallelism.finish_grads(self.model, max_norm, torch.isfinite(lm + aux))
         finite = torch.isfinite(gnorm)
-        self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.cfg, step)
-        self.par.optimizer_step(self.optimizer, finite)
+        self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.train_config, step)
+        self.parallelism.optimizer_step(self.optimizer, finite)
         if routing:
             self.model.balance_step(routing, finite)
         self.optimizer.zero_grad(set_to_none=True)
@@ -269,7 +275,7 @@ class Trainer:
         self.scheduler.step()
         return StepResult(step, finite, lm / n, aux / n, gnorm, lr, routing or [])
 
-    def settle(self) -> None:
+    def count_skipped_steps(self) -> None:
         """Read the finiteness of the steps run since the last call (one host sync): count skipped steps
         and their tokens, warn, and stop the run after ``train.max_nan_skips`` skipped steps in a row."""
         if not self.pending:
@@ -279,15 +285,15 @@ class Trainer:
         for step, ok in zip(steps, flags, strict=True):
             if ok:
                 self.nan_run = 0
-                self.state.tokens_seen += self.cfg.tokens_per_step * self.par.world_size
+                self.state.tokens_seen += self.train_config.tokens_per_step * self.parallelism.world_size
                 continue
             self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
-            if self.par.is_rank0:
+            if self.parallelism.is_rank0:
                 print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
                       f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
-            if self.nan_run > self.cfg.max_nan_skips:
-                raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
-                                   f"(train.max_nan_skips={self.cfg.max_nan_skips}); lower train.lr or use float32")
+            if self.nan_run > self.train_config.max_nan_skips:
+                raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} (train."
+                                   f"max_nan_skips={self.train_config.max_nan_skips}); lower train.lr or use float32")
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
@@ -295,13 +301,13 @@ class Trainer:
         a skipped (non-finite) step is not logged."""
         if not bool(res.finite):
             return
-        lm, aux = self.par.mean([float(res.lm_loss), float(res.aux_loss)])
+        lm, aux = self.parallelism.mean([float(res.lm_loss), float(res.aux_loss)])
         now = time.perf_counter()
         tps = (self.state.tokens_seen - self.window[1]) / max(1e-9, now - self.window[0])
         self.window = (now, self.state.tokens_seen)
         rec = {"step": res.step + 1, "loss": lm, "aux_loss": aux, "lr": res.lr, "grad_norm": float(res.grad_norm),
                "tokens_per_s": tps, "tokens": self.state.tokens_seen, "nan_skips": self.state.nan_total,
-               **routing_summary(res.routing, self.cfg.grad_accum)}
+               **routing_summary(res.routing, self.train_config.grad_accum)}
         if self.metrics is not None:
             self.metrics.log(rec)
         self.bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tps:,.0f}")
@@ -309,8 +315,9 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, dict[str, float]]:
         """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
         forwards are collectives); rank 0 logs to eval.jsonl."""
-        res = self.task.evaluate(self.model, max_batches=self.cfg.eval_batches, device=self.par.device,
-                                 dtype=self.cfg.dtype)
+        cfg = self.train_config
+        res = self.objective.evaluate(self.model, max_batches=cfg.eval_batches, device=self.parallelism.device,
+                                      dtype=cfg.dtype)
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
@@ -321,21 +328,21 @@ class Trainer:
     def trainer_state(self) -> dict[str, Any]:
         """Scheduler, RNG and counters (the optimizer is saved by the parallelism's checkpoint writer)."""
         st = {**asdict(self.state), "scheduler": self.scheduler.state_dict(), "rng_cpu": torch.get_rng_state()}
-        if self.par.device.type == "cuda":
+        if self.parallelism.device.type == "cuda":
             st["rng_cuda"] = torch.cuda.get_rng_state()
         return st
 
     def save(self) -> None:
         """Checkpoint the current step (atomic; older checkpoints pruned to ``train.keep_last``)."""
-        self.par.save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer, self.run_cfg,
-                                 self.task.tokenizer, self.trainer_state(), self.cfg.keep_last)
+        self.parallelism.save_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer, self.run_config,
+                                 self.objective.tokenizer, self.trainer_state(), self.train_config.keep_last)
         self.saved_step = self.state.step
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """The loop, then :meth:`finish`. Ctrl-C / SIGTERM are deferred to step boundaries in a single
         process (:meth:`stop_if_requested`)."""
-        with StopRequests(enabled=self.par.saves_alone) as self.stop:
+        with StopRequests(enabled=self.parallelism.saves_alone) as self.stop:
             try:
                 self._loop()
                 res = self.finish()
@@ -346,7 +353,7 @@ class Trainer:
         return res
 
     def _loop(self) -> None:
-        cfg, st = self.cfg, self.state
+        cfg, st = self.train_config, self.state
         while st.step < cfg.max_steps:
             t0 = time.perf_counter()
             res = self.train_step(st.step)
@@ -359,7 +366,7 @@ class Trainer:
                    "ckpt": bool(cfg.ckpt_every) and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps,
                    "stop": self.stop_after is not None and st.step >= self.stop_after}
             if any(due.values()):
-                self.settle()
+                self.count_skipped_steps()
             if due["log"]:
                 self.log_step(res)
             if due["eval"]:
@@ -369,7 +376,7 @@ class Trainer:
             self.stop_if_requested()  # the step boundary: weights, optimizer, scheduler and counters agree
             if due["stop"]:
                 break
-        self.settle()
+        self.count_skipped_steps()
 
     def stop_if_requested(self) -> None:
         """At a step boundary, after a Ctrl-C / SIGTERM: checkpoint the current step (unless it is saved
@@ -377,7 +384,7 @@ class Trainer:
         signum = self.stop.signum
         if signum is None:
             return
-        self.settle()
+        self.count_skipped_steps()
         st, name = self.state, signal_name(signum)
         if st.step > self.start and self.saved_step != st.step:
             self.save()
@@ -397,16 +404,16 @@ class Trainer:
         if st.step > self.start or not list_checkpoints(self.run_dir):
             self.save()
         self.stop_if_requested()  # before the final evaluation (the checkpoint is on disk)
-        if st.step >= self.cfg.max_steps:
+        if st.step >= self.train_config.max_steps:
             self.evaluate(st.step)
         res.step, res.nan_skips, res.wall_s = st.step, st.nan_total, st.train_s
         res.tokens_per_s = st.tokens_seen / max(1e-9, st.train_s)
         if self.metrics is None:
             return res
         self.metrics.close()
-        res.flops_per_token = model_flops_per_token(self.run_cfg.model, self.cfg.seq_len).total  # analytic
-        summary = {"preset": self.run_cfg.name, "step": st.step, "params": res.params,
+        res.flops_per_token = model_flops_per_token(self.run_config.model, self.train_config.seq_len).total  # analytic
+        summary = {"preset": self.run_config.name, "step": st.step, "params": res.params,
                    "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
-                   "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.par.summary()}
-        (self.run_dir / "results.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+                   "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.parallelism.summary()}
+        atomic_write(self.run_dir / "results.json", json.dumps(summary, indent=2), root=self.run_dir)
         return res

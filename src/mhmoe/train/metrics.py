@@ -4,14 +4,15 @@ summary written into them, and the progress bar."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mhmoe.errors import UnsafePathError
 from mhmoe.moe.layers import RoutingStats
+from mhmoe.runtime.files import atomic_write, make_dirs, open_append
 
 
 def sum_routing(acc: list[RoutingStats] | None, new: list[RoutingStats]) -> list[RoutingStats]:
@@ -43,27 +44,27 @@ class MetricsWriter:
     files, a resumed one drops their lines past the resume step (logged after that checkpoint)."""
 
     def __init__(self, run_dir: Path, resume_step: int | None) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        for path in (self.path, run_dir / "eval.jsonl"):
+        self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
+        for path in (self.path, run_dir / "eval.jsonl"):  # never through a symlink (mhmoe.runtime.files)
             if resume_step is not None and path.exists():
                 lines = [(ln, logged_step(ln)) for ln in path.read_text(encoding="utf-8").splitlines()]
                 keep = [ln for ln, s in lines if s is not None and s <= resume_step]
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-                os.replace(tmp, path)
+                atomic_write(path, "".join(ln + "\n" for ln in keep), root=run_dir)
             elif resume_step is None:
-                path.write_text("", encoding="utf-8")
+                atomic_write(path, "", root=run_dir)
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.tb = SummaryWriter(str(make_dirs(run_dir / "tb", root=run_dir)))
+        except UnsafePathError:
+            raise
         except Exception:  # tensorboard missing: jsonl only
             self.tb = None
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
-        with open(self.path.parent / file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with open_append(self.run_dir / file, root=self.run_dir) as f:
+            f.write((json.dumps(record) + "\n").encode("utf-8"))
         if self.tb is not None:
             prefix = "eval/" if file != "metrics.jsonl" else "train/"
             for k, v in record.items():

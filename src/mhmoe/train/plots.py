@@ -17,6 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mhmoe.errors import one_line
+from mhmoe.runtime.files import atomic_write
+
 CURVES_FILE = "curves.png"
 
 
@@ -115,14 +118,10 @@ def plot_curves(curves: list[Curves], path: str | os.PathLike[str], title: str =
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, out)
+        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -139,6 +138,5 @@ def update_run_plot(run_dir: str | os.PathLike[str]) -> None:
     try:
         plot_run(run_dir)
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
-        msg = (str(exc).strip().splitlines() or [""])[0]
-        print(f"mhmoe: warning: {Path(run_dir) / CURVES_FILE} not written ({exc.__class__.__name__}: {msg})",
+        print(f"mhmoe: warning: {Path(run_dir) / CURVES_FILE} not written ({exc.__class__.__name__}: {one_line(exc)})",
               file=sys.stderr)

@@ -3,9 +3,11 @@
 The module wraps the model (``self.model`` is an :class:`~mhmoe.model.LM`; nothing is reimplemented),
 so weights, routing and BitNet b1.58 fake quantization are exactly those of training. It adds:
 
-- the ``transformers`` calling convention: ``forward(input_ids, attention_mask, past_key_values,
-  labels, use_cache)`` -> :class:`MHMoECausalLMOutput` (``loss`` = shifted LM cross-entropy + the
-  router auxiliary loss when ``labels`` are given; ``aux_loss`` separately);
+- the ``transformers`` calling convention: ``forward(input_ids, attention_mask, cache, labels,
+  use_cache)`` -> :class:`MHMoECausalLMOutput` (``loss`` = shifted LM cross-entropy + the router
+  auxiliary loss when ``labels`` are given; ``aux_loss`` separately). The KV cache is read under
+  either name transformers has used for it (``cache`` from 5.24 on, ``past_key_values`` before) and
+  returned in the output field the installed version declares (:data:`CACHE_FIELD`);
 - KV-cache generation through ``GenerationMixin.generate``: the transformers ``Cache``
   (a ``DynamicCache`` by default) is seen by our attention through :class:`CacheView`;
 - left-padded batches: ``attention_mask`` zeros become padding keys no query attends to, and pad
@@ -36,6 +38,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mhmoe.integrations.hf.configuration_mhmoe import MHMoEConfig
 from mhmoe.model.generate import filter_logits
 from mhmoe.model.lm import LM, rope_tables
+
+#: the output field that holds the KV cache in the installed transformers ("cache" from 5.24 on)
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def output_cache(out: CausalLMOutputWithPast) -> Cache | None:
+    """The KV cache of a model output, whichever transformers version made it."""
+    return getattr(out, CACHE_FIELD)
 
 
 @dataclass
@@ -123,18 +133,22 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         return self.model.lm_head
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                past_key_values: Cache | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
+                cache: Cache | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
                 inputs_embeds: Tensor | None = None, return_dict: bool | None = None,
-                **kwargs: Any) -> MHMoECausalLMOutput:
-        """input_ids [B, T]; attention_mask [B, T_past + T] (1 = token, 0 = padding);
-        labels [B, T] (-100 = ignore; shifted inside, as in transformers) -> logits [B, T, V]."""
+                past_key_values: Cache | None = None, **kwargs: Any) -> MHMoECausalLMOutput:
+        """input_ids [B, T]; attention_mask [B, T_past + T] (1 = token, 0 = padding); ``cache`` (or its
+        older name ``past_key_values``): a transformers ``Cache``; labels [B, T] (-100 = ignore; shifted
+        inside, as in transformers) -> logits [B, T, V]."""
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("MHMoEForCausalLM takes input_ids (inputs_embeds are not supported)")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the KV cache once: as cache= or as past_key_values=, not both")
+        cache = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", True)) and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        view = CacheView(past_key_values) if use_cache and past_key_values is not None else None
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        view = CacheView(cache) if use_cache and cache is not None else None
         key_mask = ffn_mask = None
         T = input_ids.shape[1]
         if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -149,5 +163,5 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # padded inputs are ignored by the LM itself
         out = self.model(input_ids, targets, mask=ffn_mask, cache=view, key_mask=key_mask)
         loss = None if out.loss is None else out.loss + out.aux_loss
-        return MHMoECausalLMOutput(loss=loss, logits=out.logits, past_key_values=past_key_values if use_cache else None,
-                                   aux_loss=out.aux_loss)
+        return MHMoECausalLMOutput(loss=loss, logits=out.logits, aux_loss=out.aux_loss,
+                                   **{CACHE_FIELD: cache if use_cache else None})

@@ -1,21 +1,22 @@
-"""Training objectives behind one small interface, selected by ``DataConfig.task``.
+"""Training objectives behind one small interface, selected by ``DataConfig.task`` (the config key keeps
+its name; in the code an lm-eval "task" is an evaluation, :mod:`mhmoe.integrations.lmeval`).
 
-The trainer (:mod:`mhmoe.train.loop`) sees a task only through :class:`Task`:
+The trainer (:mod:`mhmoe.train.loop`) sees an objective only through :class:`Objective`:
 
-- :func:`build_task` prepares the data (tokenizer, caches, splits) for a run config;
-- ``task.tokenizer`` is saved with every checkpoint, ``task.vocab_size`` sizes the model's vocabulary;
-- ``task.micro_batch(step, micro, device)`` is the micro-batch of ``(step, micro)`` on the device, a pure
+- :func:`build_objective` prepares the data (tokenizer, caches, splits) for a run config;
+- ``objective.tokenizer`` is saved with every checkpoint, ``objective.vocab_size`` sizes the model's vocabulary;
+- ``objective.micro_batch(step, micro, device)`` is the micro-batch of ``(step, micro)`` on the device, a pure
   function of the seed, the step, the micro-step and the rank (bit-exact resume);
-- ``task.forward(module, batch)`` runs the model's training forward and returns its output, which has
+- ``objective.forward(module, batch)`` runs the model's training forward and returns its output, which has
   ``loss`` and ``aux_loss`` (0-dim tensors) and ``routing`` (one RoutingStats per MoE layer);
-- ``task.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}``.
+- ``objective.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}``.
 
-Two tasks:
+Two objectives:
 
-- :class:`LMTask` (``lm``): next-token prediction with the causal decoder on token windows of a text
+- :class:`LMObjective` (``lm``): next-token prediction with the causal decoder on token windows of a text
   corpus (:func:`mhmoe.data.prepare_data`, :class:`mhmoe.data.BatchSampler`); validation perplexity on
   every validation set.
-- :class:`MaskedMultimodalTask` (``masked_mm``): masked-data modelling with the bidirectional encoder
+- :class:`MaskedMultimodalObjective` (``masked_mm``): masked-data modelling with the bidirectional encoder
   on images, text and image-text pairs (:mod:`mhmoe.data.multimodal`); validation perplexity of the
   masked predictions overall (``masked``) and per modality (``masked_image``, ``masked_text``) on a
   fixed set of masked examples, so the numbers are comparable across models and runs.
@@ -55,7 +56,7 @@ from mhmoe.train.evaluate import evaluate
 MASKED_SETS = {"all": "masked", "image": "masked_image", "text": "masked_text"}  # group -> validation set name
 
 
-class Task(Protocol):
+class Objective(Protocol):
     """What the trainer needs from a training objective (see the module docstring)."""
 
     name: str
@@ -78,7 +79,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
-class LMTask:
+class LMObjective:
     """Next-token prediction: batches ``x, y`` [B, T] from :class:`~mhmoe.data.BatchSampler`."""
 
     name = "lm"
@@ -105,7 +106,7 @@ class LMTask:
                         max_batches=max_batches, device=device, dtype=dtype)
 
 
-class MaskedMultimodalTask:
+class MaskedMultimodalObjective:
     """Masked-data modelling: :class:`~mhmoe.data.multimodal.MultimodalBatch` micro-batches (image,
     text and image-text rows in ``mix`` proportions), loss on the masked positions."""
 
@@ -189,22 +190,22 @@ def _prepare_masked_mm(run: RunConfig, tokenizer: Tokenizer, progress: bool) -> 
     return data
 
 
-def build_task(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank: int = 0, world_size: int = 1,
-               progress: bool = False) -> LMTask | MaskedMultimodalTask:
-    """The task ``run.data.task`` names, with its data prepared. ``tokenizer`` (e.g. a checkpoint's) is
+def build_objective(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank: int = 0, world_size: int = 1,
+               progress: bool = False) -> LMObjective | MaskedMultimodalObjective:
+    """The objective ``run.data.task`` names, with its data prepared. ``tokenizer`` (e.g. a checkpoint's) is
     used instead of building the configured one."""
     if run.data.task == "masked_mm":
         tok = tokenizer if tokenizer is not None else _text_tokenizer(run, progress)
-        return MaskedMultimodalTask(_prepare_masked_mm(run, tok, progress), tok, run.train, rank)
+        return MaskedMultimodalObjective(_prepare_masked_mm(run, tok, progress), tok, run.train, rank)
     prepared = prepare_data(run.data, seq_len=run.train.seq_len, tokenizer=tokenizer, progress=progress)
-    return LMTask(prepared, run.train, rank, world_size)
+    return LMObjective(prepared, run.train, rank, world_size)
 
 
 def evaluate_checkpoint(ck: Any, max_batches: int | None, device: torch.device | str,
                         dtype: str | None = None) -> dict[str, dict[str, float]]:
-    """Validation results of a loaded :class:`~mhmoe.train.checkpoint_format.Checkpoint` on its own
-    task's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
+    """Validation results of a loaded :class:`~mhmoe.train.checkpoint.Checkpoint` on its own
+    objective's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
     where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says."""
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
-    task = build_task(run, tokenizer=ck.tokenizer)
-    return task.evaluate(ck.model, max_batches=max_batches, device=device, dtype=dtype or ck.run.train.dtype)
+    objective = build_objective(run, tokenizer=ck.tokenizer)
+    return objective.evaluate(ck.model, max_batches=max_batches, device=device, dtype=dtype or ck.run.train.dtype)

@@ -1,4 +1,4 @@
-"""Training tasks (mhmoe.train.tasks): the masked multi-modal task trains the encoder through the same
+"""Training tasks (mhmoe.train.objectives): the masked multi-modal task trains the encoder through the same
 trainer, checkpoints and resumes bit-exactly, evaluates a fixed masked set per modality, and the CLI's
 train / eval / generate handle an encoder run; config pairs that cannot work are refused in one line.
 
@@ -14,14 +14,14 @@ import torch
 from helpers import MHMOE, SMOE, losses, records
 from mm_helpers import DIGITS_SEQ, XMOE_MH, mm_run
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model import Encoder
 from mhmoe.train.checkpoint import load_latest
-from mhmoe.train.checkpoint_format import list_checkpoints
 from mhmoe.train.loop import train
-from mhmoe.train.tasks import LMTask, MaskedMultimodalTask, build_task, evaluate_checkpoint
+from mhmoe.train.objectives import LMObjective, MaskedMultimodalObjective, build_objective, evaluate_checkpoint
 
 
 def test_masked_mm_run_trains_the_encoder(tmp_path):
@@ -50,8 +50,8 @@ def test_masked_mm_evaluation_is_fixed_and_covers_every_example(tmp_path):
     """Two evaluations of one model agree exactly (fixed masks), and without a cap every validation
     example's masked positions count: the image, pair and text rows of the val split."""
     run = mm_run(tmp_path)
-    task = build_task(run)
-    assert isinstance(task, MaskedMultimodalTask)
+    task = build_objective(run)
+    assert isinstance(task, MaskedMultimodalObjective)
     model = Encoder(ModelConfig(**{**run.model.to_dict(), "vocab_size": task.vocab_size}))
     a = task.evaluate(model, max_batches=None, device="cpu", dtype="float32")
     b = task.evaluate(model, max_batches=None, device="cpu", dtype="float32")
@@ -68,7 +68,7 @@ def test_masked_mm_evaluation_is_fixed_and_covers_every_example(tmp_path):
 
 def test_masked_mm_micro_batches_are_the_data_modules(tmp_path):
     run = mm_run(tmp_path)
-    task = build_task(run)
+    task = build_objective(run)
     b = task.micro_batch(3, 1, torch.device("cpu"))
     want = task.data.get_batch(3, 1, batch_size=6)
     assert torch.equal(b.input_ids, want.input_ids) and torch.equal(b.loss_mask, want.loss_mask)
@@ -103,8 +103,8 @@ def test_lm_task_is_the_samplers_batches(tmp_path):
     from helpers import tiny_run
 
     run = tiny_run(tmp_path, MHMOE)
-    task = build_task(run)
-    assert isinstance(task, LMTask) and task.vocab_size == 257
+    task = build_objective(run)
+    assert isinstance(task, LMObjective) and task.vocab_size == 257
     x, y = task.micro_batch(2, 0, torch.device("cpu"))
     wx, wy = task.sampler.get_batch(2, 0)
     assert torch.equal(x, wx) and torch.equal(y, wy)
@@ -127,7 +127,7 @@ def test_config_refuses_task_and_model_that_do_not_fit(tmp_path):
     with pytest.raises(ConfigError, match="data.text_len"):
         run.with_overrides(["data.text_len=0"])
     with pytest.raises(ConfigError, match=rf"train.seq_len=30: allowed {DIGITS_SEQ}"):
-        build_task(run.with_overrides(["train.seq_len=30"]))
+        build_objective(run.with_overrides(["train.seq_len=30"]))
 
 
 def test_cli_train_eval_generate_export_on_an_encoder_run(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""Ecosystem subcommands: ``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and
-``make-tasks``. transformers / lm-eval are optional extras, imported only by these commands."""
+"""The commands of :mod:`mhmoe.integrations` (Hugging Face transformers, the LM Evaluation Harness):
+``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and ``make-tasks``. transformers /
+lm-eval are optional extras, imported only by these commands."""
 
 from __future__ import annotations
 
@@ -37,9 +38,14 @@ def run_export_hf(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**report.to_dict(), "checkpoint": str(ck.path)}, indent=2))
     else:
+        code = [f for f in report.files if f.endswith(".py")]
+        rest = [f for f in report.files if not f.endswith(".py") and "/" not in f]
         print(f"{report.path}: transformers model (step {report.step}, {report.params:,} parameters; "
-              f"{', '.join(report.files)})")
-        print(f"from_pretrained vs checkpoint logits: max |diff| = {report.max_abs_logit_diff:.3g}")
+              f"{', '.join(rest)}, {len(code)} model-code files)")
+        print(f"check: loaded through its own code, logits max |diff| = {report.max_abs_logit_diff:.3g}, "
+              f"greedy generate of {report.generated_tokens} tokens equal to mhmoe's")
+        print(f"load: AutoModelForCausalLM.from_pretrained({str(report.path)!r}, trust_remote_code=True) "
+              "(mhmoe not needed), or import mhmoe.integrations.hf first and leave the flag out")
     return 0
 
 

@@ -1,15 +1,15 @@
-"""The files of a checkpoint directory, without torch: layout names, ``meta.json`` verification (sizes,
-sha256, names that stay inside the directory) and finding a run's checkpoints.
+"""The checkpoint directory format, without torch: layout names, ``meta.json`` (written last, verified
+first: sizes, sha256, names that stay inside the directory), atomic and durable publication, and
+finding a run's checkpoints (newest valid first).
 
-Everything here reads files only; the loaders that build models sit above (:mod:`mhmoe.model.pretrained`
-for the weights alone, :mod:`mhmoe.train.checkpoint` for a run's full state). Checkpoints are
-downloaded and shared, so ``meta.json`` is treated as untrusted: its file names must be relative,
-without ``..``, and no symlink in the checkpoint may lead out of it.
+Checkpoints are downloaded and shared, so ``meta.json`` is treated as untrusted: its file names must be
+relative, without ``..``, and no symlink in the checkpoint may lead out of it. A run's checkpoint
+directories are never symlinks (one planted there is ignored).
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
 import sys
@@ -18,44 +18,41 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, TypeVar
 
 from mhmoe.errors import CheckpointError
+from mhmoe.runtime.files import atomic_write, durable_default, publish_dir, remove_tree, sha256_file
 
 FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+META_FILE = "meta.json"
+DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint files
 T = TypeVar("T")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """``RUN/checkpoints/step_0000000N``."""
+    return Path(run_dir) / CKPT_DIR / f"{PREFIX}{step:08d}"
 
 
 def checkpoint_files(root: Path) -> list[Path]:
     """Every file below ``root`` except ``meta.json``, sorted."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != "meta.json")
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != META_FILE)
 
 
-def first_line(exc: BaseException) -> str:
-    """An exception's message cut to its first line (CheckpointError messages are one line)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else ""
+def _is_step_dir(p: Path) -> bool:
+    return p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and p.is_dir() and not p.is_symlink()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint directories of a run, oldest first (temporary directories excluded)."""
+    """Checkpoint directories of a run, oldest first (temporary directories and symlinks excluded)."""
     root = Path(run_dir) / CKPT_DIR
-    if not root.is_dir():
+    if not root.is_dir() or root.is_symlink():
         return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted((p for p in root.iterdir() if _is_step_dir(p)), key=lambda p: int(p.name[len(PREFIX):]))
 
 
 def is_checkpoint_dir(path: Path) -> bool:
     """A single checkpoint directory (``meta.json`` inside, or named ``step_N``), not a run directory."""
-    return (path / "meta.json").is_file() or path.name.startswith(PREFIX)
+    return (path / META_FILE).is_file() or path.name.startswith(PREFIX)
 
 
 def checkpoint_candidates(run_or_ckpt: str | Path) -> list[Path]:
@@ -75,7 +72,7 @@ def checkpoint_candidates(run_or_ckpt: str | Path) -> list[Path]:
 def newest_valid(run_or_ckpt: str | Path, load: Callable[[Path], T], warn: bool = True) -> T:
     """``load(checkpoint_dir)`` for a checkpoint directory, or for a run directory on its newest checkpoint
     that loads: one that raises CheckpointError prints one line to stderr (``warn``) and the previous one
-    is tried (the rule of :func:`mhmoe.train.checkpoint.load_latest`)."""
+    is tried. The one fallback rule of every loader of run directories."""
     candidates = checkpoint_candidates(run_or_ckpt)
     if is_checkpoint_dir(Path(run_or_ckpt)):
         return load(candidates[0])
@@ -129,7 +126,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
 
     File names in meta.json must stay inside the checkpoint directory (no absolute paths, no ``..``,
     no symlink out of it)."""
-    meta_path = path / "meta.json"
+    meta_path = path / META_FILE
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -153,3 +150,32 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         if sha256_file(f) != sha:
             raise CheckpointError(f"{path}: {name} is corrupted (sha256 mismatch)")
     return meta
+
+
+def publish_checkpoint(tmp: Path, final: Path, run_dir: str | Path, meta: dict[str, Any], keep_last: int,
+                       durable: bool | None = None) -> None:
+    """Write ``meta.json`` (``meta`` + every file's sha256 and size) into the finished ``tmp`` directory,
+    publish it as ``final`` (fsync'd files and directories before and after the rename, ``durable``;
+    :func:`mhmoe.runtime.files.publish_dir`; an existing ``final`` is replaced) and prune all but the
+    newest ``keep_last`` checkpoints."""
+    durable = durable_default() if durable is None else durable
+    meta = {**meta, "files": {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                              for p in checkpoint_files(tmp)}}
+    atomic_write(tmp / META_FILE, json.dumps(meta, indent=1), durable=False)  # fsync'd with the tree
+    publish_dir(tmp, final, replace=True, durable=durable)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        with contextlib.suppress(OSError):  # pruning is best effort: the new checkpoint is published
+            remove_tree(old)
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Remove the hidden ``checkpoints/.tmp-*`` directories a killed run left behind (a checkpoint being
+    written when the process died); call only while holding the run directory's lock (no writer is
+    active). Returns what was removed."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir() or root.is_symlink():
+        return []
+    stale = [p for p in root.iterdir() if p.name.startswith(".tmp-") and p.is_dir() and not p.is_symlink()]
+    for p in stale:
+        remove_tree(p)
+    return stale

@@ -1,0 +1,57 @@
+"""Checkpoints: the directory format and everything that reads or writes it, below the model layer.
+
+Layout of one checkpoint (``RUN/checkpoints/step_00000600/``)::
+
+    model.safetensors     weights (tied tensors stored once)           single-file format
+    dcp/                  .metadata + __<rank>_0.distcp: {"model", "optim"} FQN-keyed, sharded (DCP format)
+    config.yaml           the full RunConfig
+    trainer_state.pt      optimizer (single-file format), LR scheduler, RNG states, step, counters
+                          (tensors + plain data, loaded with ``weights_only=True``)
+    tokenizer/            the tokenizer files (see mhmoe.data.Tokenizer.save)
+    meta.json             step, format version ("format": "dcp" for sharded), sha256 and size of every
+                          file above (written last)
+
+Modules: :mod:`.format` (names, meta.json, listing, the newest-valid fallback, publication),
+:mod:`.write` (saving), :mod:`.read` (:func:`open_checkpoint`, weights, trainer state),
+:mod:`.dcp_metadata` and :mod:`.dcp_reader` (the restricted DCP reader). This package builds no model
+and no tokenizer: it reads and writes files, so the model layer (``LM.from_pretrained``) and the trainer
+(:mod:`mhmoe.train.checkpoint`: ``load_checkpoint``, ``load_latest``, ``mhmoe.load``) read run
+directories through the same :func:`open_checkpoint` and :func:`newest_valid`. Collective (torchrun)
+saving and resharded loading: :mod:`mhmoe.parallel.checkpoint`.
+
+Checkpoints are downloaded and shared: loading one never executes code from it and never reads
+outside its directory (see docs/SAFETY.md).
+"""
+
+from mhmoe.checkpoint.format import (
+    CKPT_DIR,
+    DCP_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    PREFIX,
+    check_links,
+    checkpoint_candidates,
+    is_checkpoint_dir,
+    list_checkpoints,
+    newest_valid,
+    publish_checkpoint,
+    remove_stale_temporaries,
+    verify_checkpoint,
+)
+from mhmoe.checkpoint.read import (
+    CheckpointFiles,
+    check_trainer_state,
+    open_checkpoint,
+    read_trainer_state,
+    read_weights,
+    warn_if_unsafe_torch,
+)
+from mhmoe.checkpoint.write import model_is_finite, save_checkpoint, save_dcp_checkpoint_alone
+
+__all__ = [
+    "CKPT_DIR", "DCP_DIR", "FORMAT_VERSION", "META_FILE", "PREFIX", "CheckpointFiles", "check_links",
+    "check_trainer_state", "checkpoint_candidates", "is_checkpoint_dir", "list_checkpoints", "model_is_finite",
+    "newest_valid", "open_checkpoint", "publish_checkpoint", "read_trainer_state", "read_weights",
+    "remove_stale_temporaries", "save_checkpoint", "save_dcp_checkpoint_alone", "verify_checkpoint",
+    "warn_if_unsafe_torch",
+]

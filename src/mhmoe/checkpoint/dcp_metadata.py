@@ -1,0 +1,292 @@
+"""The restricted reader of DCP ``.metadata`` files: ``torch.distributed.checkpoint`` (DCP) checkpoints
+are read without executing anything they contain (items: :mod:`mhmoe.checkpoint.dcp_reader`).
+
+A DCP checkpoint directory holds ``.metadata`` (a pickle of
+:class:`~torch.distributed.checkpoint.metadata.Metadata`) and ``__<rank>_<n>.distcp`` files with one
+``torch.save`` archive per item. Torch's :class:`~torch.distributed.checkpoint.FileSystemReader`
+unpickles ``.metadata`` with :func:`pickle.load` and its ``DefaultLoadPlanner`` loads non-tensor
+("bytes") items with ``torch.load(weights_only=False)``: either runs arbitrary code from a crafted
+checkpoint. Checkpoints are downloaded and shared, so mhmoe reads DCP checkpoints only through this
+module, in which nothing from a checkpoint is unpickled except by the two restricted unpicklers below.
+
+Approach, and why: a **restricted reader of the existing format**, not a new format. Every DCP
+checkpoint already written (by mhmoe or by plain ``dcp.save``) stays loadable, ``dcp.load``'s
+resharding planner keeps working for the multi-process resume, and the writer stays torch's own. A
+code-free format (say safetensors shards + JSON index) would need our own sharded writer and
+resharding loader and would still leave the old checkpoints to read safely. The DCP ``.metadata``
+vocabulary is small and fixed, which makes an allow-list practical:
+
+* ``.metadata`` is read by :class:`_MetadataUnpickler`, a subclass of the pure-Python unpickler whose
+  ``find_class`` admits only the names in :data:`ALLOWED_GLOBALS` (the DCP metadata dataclasses,
+  ``torch.Size``, torch dtypes / layouts / memory formats and path names) and refuses everything
+  else; object-building opcodes are restricted too: ``REDUCE`` may call only ``torch.Size``, the
+  memory-format enum, the layout look-up and pure paths; ``NEWOBJ`` and ``BUILD`` apply only to
+  instances of the metadata dataclasses (never to a class, so no attribute of a class can be set);
+  ``INST`` / ``OBJ`` (protocols 0-1 object creation) are refused; list, dict and set opcodes apply
+  only to real lists, dicts and sets. The result is then type-checked field by field
+  (:func:`check_metadata`), including every item's file name (a bare name inside the directory) and
+  byte range.
+* Items are loaded with ``torch.load(..., weights_only=True)`` (torch's own allow-list unpickler:
+  tensors and plain containers / numbers / strings) from a window of exactly the recorded bytes.
+  Bytes items (optimizer hyper-parameters such as ``betas``) are decoded that way too and handed to
+  the planner re-serialised from the decoded plain values, so even torch's ``DefaultLoadPlanner``
+  (which unpickles them with ``weights_only=False``) only ever sees bytes that we produced. Stream
+  transforms (compression extensions), which mhmoe never writes, are refused.
+
+Everything refused raises :class:`mhmoe.errors.CheckpointError` with a one-line message. These modules
+import nothing from mhmoe but :mod:`mhmoe.errors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from mhmoe.errors import CheckpointError, one_line
+
+__all__ = ["ALLOWED_GLOBALS", "check_file_name", "check_metadata", "read_metadata"]
+
+METADATA_FILE = ".metadata"
+_MD = "torch.distributed.checkpoint.metadata"
+
+# the dataclasses of a DCP Metadata pickle: the only types created with NEWOBJ and filled in with BUILD
+_DATACLASSES: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                                  TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+def _layout(name: str) -> torch.layout:
+    """Stands in for ``torch.serialization._get_layout`` (how a torch.layout pickles): a fixed table."""
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return _LAYOUTS[name]
+
+
+# (module, name) -> the object the unpickler gets for it. Everything else is refused.
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    **{(_MD, c.__name__): c for c in _DATACLASSES if c is not _StorageInfo},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    (_MD, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    **{("torch", k): v for k, v in vars(torch).items() if isinstance(v, (torch.dtype, torch.memory_format))},
+    # StorageMeta.checkpoint_id is the writer's path: read as a pure path (no file system access)
+    **{(m, n): pure for m in ("pathlib", "pathlib._local")
+       for n, pure in (("PosixPath", PurePosixPath), ("PurePosixPath", PurePosixPath),
+                       ("WindowsPath", PureWindowsPath), ("PureWindowsPath", PureWindowsPath))},
+}
+# what REDUCE (call a global with arguments) may call: value constructors only (compared by identity)
+_FACTORY_IDS = frozenset(map(id, (torch.Size, _MEM_FORMAT_ENCODING, _layout, PurePosixPath, PureWindowsPath)))
+_DATACLASS_IDS = frozenset(map(id, _DATACLASSES))
+_FIELDS = {c: frozenset(f.name for f in dataclasses.fields(c)) for c in _DATACLASSES}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be restricted
+    """Unpickles a DCP ``Metadata`` and nothing else (see the module docstring)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED_GLOBALS[(module, name)]
+        except (KeyError, TypeError):
+            raise pickle.UnpicklingError(f"refused global {module}.{name} (not a DCP metadata class)") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refused persistent id")
+
+    def _refuse(self, what: str) -> None:
+        raise pickle.UnpicklingError(f"refused pickle opcode {what}")
+
+    def _load_reduce(self) -> None:
+        func = self.stack[-2]
+        if id(func) not in _FACTORY_IDS:
+            self._refuse(f"REDUCE on {type(func).__name__}")
+        pickle._Unpickler.load_reduce(self)
+
+    def _load_newobj(self) -> None:
+        if id(self.stack[-2]) not in _DATACLASS_IDS:
+            self._refuse("NEWOBJ on a non-metadata class")
+        pickle._Unpickler.load_newobj(self)
+
+    def _load_newobj_ex(self) -> None:
+        if id(self.stack[-3]) not in _DATACLASS_IDS:
+            self._refuse("NEWOBJ_EX on a non-metadata class")
+        pickle._Unpickler.load_newobj_ex(self)
+
+    def _load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        kind = type(inst)
+        if id(kind) not in _DATACLASS_IDS:  # an instance of one (a class is of type `type`)
+            self._refuse(f"BUILD on {kind.__name__}")
+        if kind is TensorProperties:  # its own __setstate__ takes a 5-tuple
+            ok = type(state) is tuple and len(state) == 5
+        else:  # field values only: no slot state, no dunder names (an instance __setstate__ would be called);
+            # names of fields a newer torch may have added are accepted
+            ok = type(state) is dict and (state.keys() <= _FIELDS[kind] or all(
+                type(k) is str and not k.startswith("__") for k in state))
+        if not ok:
+            self._refuse(f"BUILD of {type(inst).__name__} with a {type(state).__name__} state")
+        pickle._Unpickler.load_build(self)
+
+    def _require(self, obj: Any, kind: type, what: str) -> None:
+        if type(obj) is not kind:
+            self._refuse(f"{what} on {type(obj).__name__}")
+
+    def _marked(self) -> Any:  # the object below the MARK (what APPENDS / SETITEMS / ADDITEMS fill)
+        return self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None
+
+    def _load_append(self) -> None:
+        self._require(self.stack[-2], list, "APPEND")
+        pickle._Unpickler.load_append(self)
+
+    def _load_appends(self) -> None:
+        self._require(self._marked(), list, "APPENDS")
+        pickle._Unpickler.load_appends(self)
+
+    def _load_setitem(self) -> None:
+        self._require(self.stack[-3], dict, "SETITEM")
+        pickle._Unpickler.load_setitem(self)
+
+    def _load_setitems(self) -> None:
+        self._require(self._marked(), dict, "SETITEMS")
+        pickle._Unpickler.load_setitems(self)
+
+    def _load_additems(self) -> None:
+        self._require(self._marked(), set, "ADDITEMS")
+        pickle._Unpickler.load_additems(self)
+
+    def _load_inst(self) -> None:
+        self._refuse("INST")
+
+    def _load_obj(self) -> None:
+        self._refuse("OBJ")
+
+
+for _op, _fn in ((pickle.REDUCE, "_load_reduce"), (pickle.NEWOBJ, "_load_newobj"),
+                 (pickle.NEWOBJ_EX, "_load_newobj_ex"), (pickle.BUILD, "_load_build"),
+                 (pickle.APPEND, "_load_append"), (pickle.APPENDS, "_load_appends"),
+                 (pickle.SETITEM, "_load_setitem"), (pickle.SETITEMS, "_load_setitems"),
+                 (pickle.ADDITEMS, "_load_additems"), (pickle.INST, "_load_inst"), (pickle.OBJ, "_load_obj")):
+    _MetadataUnpickler.dispatch[_op[0]] = getattr(_MetadataUnpickler, _fn)
+
+
+# ---- checking the unpickled metadata ---------------------------------------------------------------------
+def error(msg: str) -> CheckpointError:
+    """A one-line CheckpointError: names from the checkpoint may hold newlines or control characters."""
+    return CheckpointError("".join(c if c.isprintable() else ascii(c)[1:-1] for c in msg))
+
+
+def fail(where: str, msg: str) -> CheckpointError:
+    return error(f"{where}: refused DCP metadata ({msg})")
+
+
+def is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _size(v: Any, what: str, where: str, ndim: int | None = None) -> tuple[int, ...]:
+    if type(v) is not torch.Size or not all(is_count(x) for x in v) or (ndim is not None and len(v) != ndim):
+        raise fail(where, f"{what} is not a torch.Size of {ndim if ndim is not None else 'n'} non-negative ints")
+    return tuple(v)
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """A data file name from the metadata: a bare file name (no directory part, no ``..``)."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or not name.isprintable() or PureWindowsPath(name).drive):
+        raise fail(where, f"data file name {name!r} is not a plain file name inside the checkpoint")
+    return name
+
+
+def check_metadata(md: Any, where: str = "DCP checkpoint") -> Metadata:
+    """Type-check an unpickled DCP ``Metadata`` field by field; return it or raise CheckpointError."""
+    if type(md) is not Metadata:
+        raise fail(where, f"a {type(md).__name__}, not a Metadata")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if type(sdm) is not dict:
+        raise fail(where, "state_dict_metadata is not a dict")
+    for fqn, item in sdm.items():
+        if type(fqn) is not str:
+            raise fail(where, f"key {fqn!r} is not a string")
+        if type(item) is BytesStorageMetadata:
+            continue
+        if type(item) is not TensorStorageMetadata:
+            raise fail(where, f"{fqn}: a {type(item).__name__}")
+        props = getattr(item, "properties", None)
+        if (type(props) is not TensorProperties or type(getattr(props, "dtype", None)) is not torch.dtype
+                or type(getattr(props, "layout", torch.strided)) is not torch.layout):
+            raise fail(where, f"{fqn}: bad tensor properties")
+        size = _size(getattr(item, "size", None), f"{fqn} size", where)
+        chunks = getattr(item, "chunks", None)
+        if type(chunks) is not list:
+            raise fail(where, f"{fqn}: chunks is not a list")
+        for c in chunks:
+            if type(c) is not ChunkStorageMetadata:
+                raise fail(where, f"{fqn}: a chunk is a {type(c).__name__}")
+            off = _size(getattr(c, "offsets", None), f"{fqn} chunk offsets", where, len(size))
+            ext = _size(getattr(c, "sizes", None), f"{fqn} chunk sizes", where, len(size))
+            if any(o + n > s for o, n, s in zip(off, ext, size, strict=True)):
+                raise fail(where, f"{fqn}: a chunk lies outside the tensor")
+    planner_data = getattr(md, "planner_data", None)
+    if planner_data is not None:
+        if type(planner_data) is not dict:
+            raise fail(where, "planner_data is not a dict")
+        for k, path in planner_data.items():
+            if (type(k) is not str or type(path) not in (tuple, list) or not path
+                    or not all(type(p) is str or is_count(p) for p in path)):
+                raise fail(where, f"planner_data entry {k!r} is not a key path")
+    storage_data = getattr(md, "storage_data", None)
+    if type(storage_data) is not dict:
+        raise fail(where, "storage_data is not a dict")
+    for idx, info in storage_data.items():
+        if (type(idx) is not MetadataIndex or type(getattr(idx, "fqn", None)) is not str
+                or not (idx.offset is None or type(idx.offset) is torch.Size)
+                or not (idx.index is None or type(idx.index) is int)):
+            raise fail(where, f"storage key {idx!r} is not a MetadataIndex")
+        if type(info) is not _StorageInfo:
+            raise fail(where, f"{idx.fqn}: storage info is a {type(info).__name__}")
+        check_file_name(getattr(info, "relative_path", None), where)
+        if not (is_count(getattr(info, "offset", None)) and is_count(getattr(info, "length", None))):
+            raise fail(where, f"{idx.fqn}: byte range is not two non-negative ints")
+        if getattr(info, "transform_descriptors", None):
+            raise fail(where, f"{idx.fqn}: stream transforms {info.transform_descriptors!r} are not supported")
+    version = getattr(md, "version", None)
+    if version is not None and type(version) is not str:
+        raise fail(where, "version is not a string")
+    sm = getattr(md, "storage_meta", None)
+    if sm is not None and type(sm) is not StorageMeta:
+        raise fail(where, f"storage_meta is a {type(sm).__name__}")
+    return md
+
+
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file with the restricted unpickler and type-check it."""
+    where = str(path)
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise error(f"{where}: unreadable DCP metadata ({exc.__class__.__name__}: {exc.strerror})") from None
+    except Exception as exc:  # noqa: BLE001 -- UnpicklingError, and whatever a malformed pickle raises
+        raise fail(where, f"{exc.__class__.__name__}: {one_line(exc)}") from None
+    return check_metadata(md, where)
