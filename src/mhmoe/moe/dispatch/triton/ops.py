@@ -2,13 +2,13 @@
 
 Shape legend: S routed (sub-)tokens (B*T*H for MH-MoE), K slots per token, SK = S*K, E experts,
 D expert in/out width (d_model / H), F expert hidden width, N <= SK valid (token, slot) pairs,
-BLOCK_M rows per tile, G = SK // BLOCK_M + min(E, SK) tiles (upper bound).
+BM rows per tile of a row-tiled kernel, G = SK // BM + min(E, SK) tiles (upper bound).
 
-Routing glue (torch, :func:`~mhmoe.moe.dispatch.triton.kernels.route_plan`, on the device, no host sync): key =
-where(valid, expert, E); a stable sort by key gives ``order`` (the slot of every sorted row; invalid
+Routing glue (torch, :func:`~mhmoe.moe.dispatch.triton.launch.route_plan`, on the device, no host sync):
+key = where(valid, expert, E); a stable sort by key gives ``order`` (the slot of every sorted row; invalid
 slots last); ``searchsorted`` on the sorted keys gives each expert's row range [starts[e], ends[e]);
-a tile table (expert, first row) of every BLOCK_M-row tile is sized by the bound G, so no shape
-depends on the routing -- surplus programs read expert E and return at once.
+a tile table (expert, first row) of every BM-row tile (one per row-tile size in use) is sized by the
+bound G, so no shape depends on the routing -- surplus programs read expert E and return at once.
 
 Kernels (:mod:`mhmoe.moe.dispatch.triton.kernels`; sorted row r belongs to slot order[r] = token order[r] // K):
 
@@ -30,6 +30,9 @@ backward
   6. ``_wgrad_up_kernel`` [E x D/BM x F/BN]: dW1[e] = x[tok]^T dh1, dW3[e] = x[tok]^T dh3 (x gathered).
   7. ``_dx_kernel`` [G x D/BN]: dh1 W1[e]^T + dh3 W3[e]^T scattered to slots, then ``_ksum_kernel``
      (K = 1: written directly into dx).
+  4+7 fused (``MHMOE_TRITON_FUSE_DX=1``, bf16, D <= 256): ``_act_dx_kernel`` [G]: per row tile, one
+     pass over the hidden units computes dh1, dh3 and accumulates dx in registers, so the hidden
+     gradients are never read back for dx (64-row tiles: see docs/PERFORMANCE.md for the trade-off).
 An expert without rows runs no reduction step in 5/6 and stores zeros. Invalid slots are in no
 tile: they contribute nothing, and their gradients stay zero (the partial buffer starts at zero).
 
@@ -43,15 +46,19 @@ a permutation); per-expert weight gradients are one program per output tile loop
 expert's rows in order; the K-sum and the routing-weight partials are fixed-order sums. Results are
 bitwise reproducible run to run (for a given autotuned config).
 
-Tiles: BLOCK_M = 64 rows (fixed: the tile table is built for it; small enough that experts with few
-rows waste little, one H100 m64 warpgroup MMA). BN / BK / warps / stages are autotuned per (D, F,
-dtype) on GPU from a short list sized for thin experts (D = 256..768) and F = 512..2048, fp32
-accumulation; fp32 inputs use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set.
-Under the Triton interpreter (CPU, ``TRITON_INTERPRET=1`` before the kernels are imported) one fixed
-config runs (BLOCK_M 16, BN 64, BK 32: several tiles per expert and masked edges at test sizes), with
-two interpreter-only helpers standing in for ``tl.dot`` and the fp32 -> bf16 cast, which the
-interpreter gets wrong for bf16 (see kernels.py). Under ``torch.autocast`` everything runs in the
-autocast dtype (fp32 and bf16 are supported and tested).
+Tiles (:mod:`mhmoe.moe.dispatch.triton.tiles`): bf16 row tiles of 128 rows (half the weight-panel
+reloads of 64-row tiles, about 4% padding at the paper shapes), BN / BK / warps / stages autotuned per
+(D, F) from short lists that all compile for an H100 without spills (tests/moe/test_triton_aot.py);
+fp32 kernels run one fixed config. fp32 accumulation; fp32 inputs use TF32 only where PyTorch's matmuls
+would (:func:`~mhmoe.moe.dispatch.precision.cuda_matmul_tf32`, either TF32 API). D and F are zero-padded
+to multiples of 16 when they are not (aligned strides: pipelined loads). Under the Triton interpreter
+(CPU, ``TRITON_INTERPRET=1`` before the kernels are imported) one small config runs (BM 16, BN 32:
+several tiles per expert and masked edges at test sizes), with two interpreter-only helpers standing in
+for ``tl.dot`` and the fp32 -> bf16 cast, which the interpreter gets wrong for bf16 (see kernels.py).
+Under ``torch.autocast`` everything runs in the autocast dtype (fp32 and bf16 are supported and tested).
+
+Under ``torch.compile`` the op is a set of opaque custom operators (:mod:`~mhmoe.moe.dispatch.triton.custom_ops`):
+no graph break, and no host synchronisation, so a compiled step can be captured as a CUDA graph.
 
 Not supported (:func:`triton_supported` is False, the dispatcher falls back): biased experts,
 quantized (BitNet) experts, CPU tensors unless the kernels were imported under the interpreter.
