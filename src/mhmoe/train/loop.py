@@ -133,6 +133,22 @@ def check_single_process(run: RunConfig) -> None:
         raise ConfigError("train.ep", run.train.ep, "1 without torchrun (expert parallelism needs several processes)")
 
 
+def compiled(module: torch.nn.Module, enabled: bool, cuda_graphs: bool, device: torch.device):
+    """The model as the training step calls it: as is, ``torch.compile``d, or compiled with CUDA-graph capture
+    (mode "reduce-overhead": the forward and backward replay as graphs; CUDA only)."""
+    if not enabled:
+        return module
+    if cuda_graphs and device.type != "cuda":
+        raise ConfigError("train.cuda_graphs", True, f"false on {device.type} (CUDA graphs need a CUDA device)")
+    return torch.compile(module, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def _owned(stats: list[RoutingStats]) -> list[RoutingStats]:
+    """Copies of a forward's routing statistics: outputs of a CUDA-graph replay are overwritten by the next one."""
+    return [RoutingStats(s.counts.clone(), s.tokens.clone(), s.dropped.clone(), {k: v.clone() for k, v in
+                                                                                  s.losses.items()}) for s in stats]
+
+
 def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
     """The checkpoint's run config, with the launch properties (``launch_fields`` of ``train``,
     :data:`LAUNCH_DATA_FIELDS` of ``data``) of this command."""
@@ -166,7 +182,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.train_config))
         self.state = self._restore()
         self.start = self.state.step
-        self.forward = torch.compile(self.module) if self.train_config.compile else self.module
+        self.forward = compiled(self.module, self.train_config.compile, self.train_config.cuda_graphs,
+                                self.parallelism.device)
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
         self.progress = progress and par.is_rank0
@@ -249,14 +266,17 @@ class Trainer:
         n = self.train_config.grad_accum
         lm = torch.zeros((), device=self.parallelism.device)
         aux, routing = torch.zeros_like(lm), None
+        graphs = self.train_config.compile and self.train_config.cuda_graphs
         for micro in range(n):
             batch = self.objective.micro_batch(step, micro, self.parallelism.device)  # page-locked on CUDA: no wait
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # one forward + backward per replay
             with self.parallelism.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.parallelism.device, self.train_config.dtype):
                     out = self.objective.forward(self.forward, batch)
                 ((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
-            routing = sum_routing(routing, out.routing)
+            routing = sum_routing(routing, _owned(out.routing) if graphs else out.routing)
         max_norm = self.train_config.grad_clip or math.inf
         gnorm = self.parallelism.finish_grads(self.model, max_norm, torch.isfinite(lm + aux))
         finite = torch.isfinite(gnorm)
