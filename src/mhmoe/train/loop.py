@@ -48,11 +48,12 @@ from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.lock import RunDirLock
-from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
+from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.objectives import Objective, build_objective
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
+from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
@@ -185,7 +186,10 @@ class Trainer:
                                 self.parallelism.device)
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
-        self.bar = progress_bar(self.train_config.max_steps, self.start, progress and par.is_rank0)
+        self.progress = progress and par.is_rank0
+        self._print_header()
+        self.bar = StepBar(self.train_config.max_steps, self.start, self.train_config.tokens_per_step * par.world_size,
+                           par.device, self.progress, desc=self.run_config.name)
         self.nan_run = 0
         self.nan_at_start = self.state.nan_total
         self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
@@ -207,8 +211,8 @@ class Trainer:
         if self.parallelism.is_rank0:
             taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
             taken.append("data.cache_dir")
-            print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
-                  f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
+            print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
+                  f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
     def _prepare_objective(self, progress: bool) -> Objective:
@@ -226,6 +230,16 @@ class Trainer:
             model = {**self.run_config.model.to_dict(), "vocab_size": objective.vocab_size}
             self.run_config = RunConfig.from_dict({**self.run_config.to_dict(), "model": model})
         return objective
+
+    def _print_header(self) -> None:
+        """The resolved run, before the first step (rank 0, stderr; :func:`mhmoe.train.progress.run_header`)."""
+        par = self.parallelism
+        if not par.is_rank0:
+            return
+        flops = model_flops_per_token(self.run_config.model, self.train_config.seq_len).total
+        lines = run_header(self.run_config, self.run_dir, self.result.params, flops, self.objective.summary(),
+                           par.device, par.world_size, self.start)
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -297,8 +311,8 @@ class Trainer:
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
-        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar;
-        a skipped (non-finite) step is not logged."""
+        """Append one record to metrics.jsonl (losses averaged over ranks); a skipped (non-finite) step is
+        not logged. Due at step 1, every ``log_every`` steps and at the last step."""
         if not bool(res.finite):
             return
         lm, aux = self.parallelism.mean([float(res.lm_loss), float(res.aux_loss)])
@@ -310,14 +324,17 @@ class Trainer:
                **routing_summary(res.routing, self.train_config.grad_accum)}
         if self.metrics is not None:
             self.metrics.log(rec)
-        self.bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tps:,.0f}")
 
     def evaluate(self, step: int) -> dict[str, dict[str, float]]:
         """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
         forwards are collectives); rank 0 logs to eval.jsonl."""
         cfg = self.train_config
-        res = self.objective.evaluate(self.model, max_batches=cfg.eval_batches, device=self.parallelism.device,
-                                      dtype=cfg.dtype)
+        t0 = time.perf_counter()
+        with eval_progress(self.objective.eval_size(cfg.eval_batches), f"eval step {step}", self.progress) as tick:
+            res = self.objective.evaluate(self.model, max_batches=cfg.eval_batches, device=self.parallelism.device,
+                                          dtype=cfg.dtype, on_batch=tick)
+        if self.parallelism.is_rank0:
+            self.bar.write(format_eval(step, cfg.max_steps, res, time.perf_counter() - t0))
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
@@ -354,14 +371,15 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg, st = self.train_config, self.state
+        self.bar.start()
         while st.step < cfg.max_steps:
             t0 = time.perf_counter()
             res = self.train_step(st.step)
             self.pending.append(res)
             st.step += 1
             st.train_s += time.perf_counter() - t0
-            self.bar.update(1)
-            due = {"log": st.step % cfg.log_every == 0 or st.step == cfg.max_steps,
+            self.bar.step(res.lm_loss)
+            due = {"log": st.step % cfg.log_every == 0 or st.step in (1, cfg.max_steps),  # step 1: a curve's start
                    "eval": bool(cfg.eval_every) and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps,
                    "ckpt": bool(cfg.ckpt_every) and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps,
                    "stop": self.stop_after is not None and st.step >= self.stop_after}
