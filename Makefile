@@ -34,8 +34,12 @@ endif
 
 install: $(STAMP)
 
+## Optional Debian packages (pydocs/WordNet validation sets, man-page corpora, emoji images): the script says
+## what it installs and why, shows apt-get's progress, and only notes it where apt-get cannot run (not root).
+## `make test SYSTEM_DEPS=no` (or demo) skips it; SYSTEM_DEPS=check only lists what is missing.
+SYSTEM_DEPS ?= yes
 system-deps:
-	@bash scripts/install-system-deps.sh
+	@SYSTEM_DEPS=$(SYSTEM_DEPS) bash scripts/install-system-deps.sh
 
 ## The main job: train + evaluate tiny-dense, tiny-smoe, tiny-mh3 on the KJV corpus, print a table.
 ## `make demo STEPS=10`: the same, 10 steps per model, into runs/demo-10steps (a quick look).

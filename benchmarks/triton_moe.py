@@ -1,17 +1,21 @@
-"""The Triton dropless MoE path (:mod:`mhmoe.moe.dispatch.triton`) against ``grouped_mm`` / ``sorted`` on CUDA, and an
-offline compile check of every kernel variant for a GPU target (no GPU needed).
+"""The Triton dropless MoE path (:mod:`mhmoe.moe.dispatch.triton`) against ``grouped_mm`` / ``sorted`` on CUDA, and a
+resource report of every kernel compiled for a GPU target (no GPU needed).
 
 ``--bench`` (CUDA): median ms of forward and forward + backward, and the peak memory above the inputs, of
-``triton_moe``, ``grouped_moe`` (``torch._grouped_mm``) and ``sorted_moe`` at thin-expert shapes
-(D = 256..768, F = 512..2048), bf16 by default, routing top-k softmax over E experts, round-robin timing.
+``triton_moe`` (both backward designs: act_bwd + dx, and the fused act_dx), ``grouped_moe``
+(``torch._grouped_mm``) and ``sorted_moe`` at thin-expert shapes (D = 256..768, F = 512..2048), bf16 by
+default, routing top-k softmax over E experts, round-robin timing.
 
-``--aot`` (any machine with triton's NVIDIA backend, which ships ptxas): compiles every kernel for
-every autotune config, dtype and constexpr variant to a cubin for ``--arch`` (90 = H100) and prints
-the largest shared-memory users (configs above the GPU's limit are skipped by the autotuner at run
-time). Catches compile errors that the interpreter cannot see. Run it without TRITON_INTERPRET.
+``--aot`` (any machine with triton's NVIDIA backend, which ships ptxas; run it without TRITON_INTERPRET):
+compiles every kernel x every candidate config x dtype x constexpr variant that the op may launch, for
+``--arch`` (90 = H100, sm_90a), with each launch's real argument specialisation (16-byte alignment,
+integers equal to 1), and reports per kernel x config: shared memory (and the autotuner's predicted
+value), registers, spilled bytes, pipelined (cp.async) loads, wgmma. ``--check`` exits 1 if anything
+fails an H100 (shared memory > 227 KiB, spills, unpipelined loads, no wgmma in bf16/tf32). ``--quick``:
+the CI subset (the mh3 shape, SwiGLU, training and inference launches).
 
-    python benchmarks/triton_moe.py --bench [--dtype bf16] [--repeats 20]
-    python benchmarks/triton_moe.py --aot [--arch 90] [--quick]
+    python benchmarks/triton_moe.py --bench [--dtype bf16] [--repeats 20] [--json out.json]
+    python benchmarks/triton_moe.py --aot [--arch 90] [--quick] [--check] [--json report.json]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 import time
 
 import torch
@@ -30,6 +35,21 @@ SHAPES = [(16384, 2, 8, 256, 512), (16384, 2, 8, 256, 1024), (16384, 2, 16, 256,
 
 def _fwd_bwd(fn, args, grad) -> None:
     fn(*args).backward(grad)
+
+
+def _fused(fn):
+    """``fn`` with the fused act_dx backward (MHMOE_TRITON_FUSE_DX=1) for the duration of each call: the
+    benchmark's fwd_bwd runs the backward inside the call."""
+    from mhmoe.moe.dispatch.triton import tiles
+
+    def run(*args, **kwargs):
+        old, tiles.FUSE_DX = tiles.FUSE_DX, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tiles.FUSE_DX = old
+
+    return run
 
 
 def bench(dtype: torch.dtype, repeats: int) -> dict:
@@ -44,7 +64,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
     machine = machine_info(dev)
     print(machine)
     rows = []
-    fns = {"triton": triton_moe, "grouped_mm": grouped_moe, "sorted": sorted_moe}
+    fns = {"triton": triton_moe, "triton_act_dx": triton_moe, "grouped_mm": grouped_moe, "sorted": sorted_moe}
     for S, K, E, D, F in SHAPES:
         torch.manual_seed(0)
         experts = GroupedExperts(E, D, F, init_std=D**-0.5).to(dev, dtype)
@@ -56,6 +76,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
         g = torch.randn(S, D, device=dev, dtype=dtype)
         fwd = {n: functools.partial(f, x, route, experts) for n, f in fns.items()}
         both = {n: functools.partial(_fwd_bwd, f, (x, route, experts), g) for n, f in fns.items()}
+        both["triton_act_dx"] = _fused(both["triton_act_dx"])  # the backward runs inside the call
         t_fwd, _ = time_fns(fwd, dev, repeats)
         t_both, _ = time_fns(both, dev, repeats)
         mem = {}
@@ -74,78 +95,101 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
     return {"machine": machine, "rows": rows}
 
 
-def aot(arch: int, quick: bool) -> None:
+def warm(json_path: str | None) -> dict:
+    """Compile and autotune the Triton path at the benchmark shapes (the parity layers at 16,384 tokens, bf16
+    and fp32, forward without autograd and forward + backward; mh3 bf16 also with act_dx): the first calls,
+    timed. With a shared TRITON_CACHE_DIR (benchmarks/gpu_suite.py) later processes reuse the compiles."""
+    from mhmoe.moe.layers import build_ffn_layer
+    from mhmoe.research.bench import CONFIGS, D_MODEL
+
+    dev, rows = torch.device("cuda"), []
+    for name, cfg in CONFIGS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = build_ffn_layer(D_MODEL, cfg.moe_config("triton")).to(dev, dtype)
+            x = torch.randn(16384, D_MODEL, device=dev, dtype=dtype, requires_grad=True)
+            variants = {"fwd": False, "fwd_bwd": False} | ({"fwd_bwd_act_dx": True} if
+                                                           name == "mh3" and dtype == torch.bfloat16 else {})
+            def step(variant: str, layer=layer, x=x) -> None:
+                if variant == "fwd":
+                    with torch.no_grad():
+                        layer(x)
+                    return
+                out = layer(x)
+                (out.out.float().sum() + out.aux_loss).backward()
+
+            for variant, fused in variants.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                (_fused(step) if fused else step)(variant)
+                torch.cuda.synchronize()
+                rows.append({"config": name, "dtype": str(dtype).replace("torch.", ""), "variant": variant,
+                             "first_call_s": time.perf_counter() - t0})
+                print(rows[-1], flush=True)
+    result = {"machine": _machine(), "rows": rows}
+    if json_path:
+        import json
+
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _machine() -> dict:
+    from mhmoe.research.bench import machine_info
+
+    return machine_info(torch.device("cuda"))
+
+
+def aot(arch: int, quick: bool, check: bool, json_path: str | None) -> int:
+    from mhmoe.moe.dispatch.triton import aot as A
+
+    kw = dict(shapes=["mh3"], ffns=("swiglu",), scenarios=["train", "inference"]) if quick else {}
+    t0 = time.time()
+    def progress(r) -> None:
+        print(f"  {time.time() - t0:5.0f}s {r.kernel} {r.dtype} {r.precision} [{r.variant}] {r.tile}", file=sys.stderr)
+
+    reports = A.report(arch=arch, progress=progress, **kw)
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from mhmoe.moe.dispatch.triton import kernels as k
+    print(f"triton {triton.__version__}: {len(reports)} kernel x config x specialisation compiles for sm_{arch}a in "
+          f"{time.time() - t0:.0f} s")
+    print(A.format_report(reports))
+    problems = sorted({p for r in reports for p in r.problems()})
+    for p in problems:
+        print("PROBLEM:", p)
+    if json_path:
+        import json
 
-    assert not k.INTERPRETED, "run without TRITON_INTERPRET"
-    target = GPUTarget("cuda", arch, 32)
-    i32_ptrs = {"order_ptr", "tile_expert_ptr", "tile_row_ptr", "ends_ptr", "starts_ptr"}
-    shared, n, t0 = [], 0, time.time()
-
-    def compile_(fn, dt, consts, cfg=None):
-        nonlocal n
-
-        def ty(name):
-            if name in consts:
-                return "constexpr"
-            if name in i32_ptrs:
-                return "*i32"
-            if name in ("weights_ptr", "part_ptr"):
-                return "*fp32"
-            if name == "valid_ptr":
-                return "*u8"
-            return "*" + dt if name.endswith("_ptr") else "i32"
-
-        opts = {"num_warps": cfg.num_warps if cfg else 4, "num_stages": cfg.num_stages if cfg else 1}
-        src = ASTSource(fn, {a: ty(a) for a in fn.arg_names}, constexprs=consts)
-        kern = triton.compile(src, target=target, options=opts)
-        shared.append((kern.metadata.shared, fn.__name__, dt, dict(consts), opts))
-        n += 1
-
-    def cfgs(lst):
-        return lst[:1] if quick else lst
-
-    for dt in ("bf16", "fp32"):
-        prec = "ieee" if dt == "fp32" else "tf32"
-        for gated in (True, False):
-            for c in cfgs(k._UP_CFGS):
-                tiles = dict(BM=k.BLOCK_M, BN=c.kwargs["BN"], BK=c.kwargs["BK"], PREC=prec, GATED=gated)
-                for pre in (True, False):
-                    compile_(k._up_fwd_kernel, dt, dict(tiles, STORE_PRE=pre, STORE_ACT=not pre), c)
-                for dh, dw in ((True, True), (False, True), (True, False)):
-                    compile_(k._act_bwd_kernel, dt, dict(tiles, PART=k.PART, NEED_DH=dh, NEED_DW=dw), c)
-            for c in cfgs(k._DOWN_CFGS):
-                tiles = dict(BM=k.BLOCK_M, BN=c.kwargs["BN"], BK=c.kwargs["BK"], PREC=prec)
-                for act in (0, 1) if gated else (0, 2):
-                    compile_(k._down_fwd_kernel, dt, dict(tiles, ACT=act), c)
-                compile_(k._dx_kernel, dt, dict(tiles, GATED=gated), c)
-            for c in cfgs(k._WGRAD_CFGS):
-                compile_(k._wgrad_up_kernel, dt, dict(c.kwargs, GATED=gated, PREC=prec), c)
-                compile_(k._wgrad_down_kernel, dt, dict(c.kwargs, GATED=gated, PREC=prec), c)
-        compile_(k._ksum_kernel, dt, dict(BS=16, BD=128))
-    print(f"triton {triton.__version__}: compiled {n} kernel variants for sm_{arch} in {time.time() - t0:.0f} s")
-    for row in sorted(shared, key=lambda r: -r[0])[:8]:
-        print(f"  shared {row[0] / 1024:.0f} KiB: {row[1]} {row[2]} {row[3]} {row[4]}")
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"arch": arch, "triton": triton.__version__, "quick": quick, "summary": A.summary(reports),
+                       "compiles": A.as_dicts(reports), "problems": problems}, f, indent=2)
+    return 1 if check and problems else 0
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--aot", action="store_true")
+    ap.add_argument("--warm", action="store_true", help="compile + autotune at the benchmark shapes (CUDA)")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--quick", action="store_true", help="--aot: first autotune config of each kernel only")
+    ap.add_argument("--quick", action="store_true", help="--aot: the CI subset (mh3 shape, SwiGLU, train + inference)")
+    ap.add_argument("--check", action="store_true", help="--aot: exit 1 if a compile fails an H100")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--json", metavar="PATH", help="--bench: also write the rows and machine as JSON")
-    args = ap.parse_args()
+    ap.add_argument("--json", metavar="PATH", help="also write the rows / the compile report as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    rc = 0
     if args.aot:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             raise SystemExit("--aot needs the compiled kernels: unset TRITON_INTERPRET")
-        aot(args.arch, args.quick)
+        rc = aot(args.arch, args.quick, args.check, args.json)
+    if args.warm:
+        warm(args.json)
     if args.bench:
         result = bench({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], args.repeats)
         if args.json:
@@ -153,9 +197,10 @@ def main() -> None:
 
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
-    if not (args.aot or args.bench):
+    if not (args.aot or args.bench or args.warm):
         ap.print_help()
+    return rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

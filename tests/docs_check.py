@@ -7,6 +7,7 @@ paragraph of docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -129,7 +130,7 @@ def shrink_script(block: Block) -> str:
 def synopsis_problems(block: Block, parser) -> list[str]:
     """For a synopsis block: every ``mhmoe SUBCOMMAND`` exists and every ``--option`` on its line is one of
     that subcommand's options."""
-    subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     problems = []
     for line in logical_lines(block.text):
         m = MHMOE_CMD.search(line)

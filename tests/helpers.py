@@ -99,3 +99,21 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 # ---- overfitting ------------------------------------------------------------------------------------
+
+
+def run_messages(err: str) -> list[str]:
+    """The lines of a training's stderr without its header and evaluation lines (mhmoe.train.progress):
+    the notes, warnings and errors a test looks for."""
+    import re
+
+    out, in_header = [], False
+    for line in err.splitlines():
+        if re.match(r"mhmoe train: \S+ -> ", line):
+            in_header = True
+            continue
+        if in_header and line.startswith("  "):
+            continue
+        in_header = False
+        if not re.match(r"step \d+/\d+  val ppl ", line):
+            out.append(line)
+    return out

@@ -33,6 +33,7 @@ Two conventions, for everyone who writes docs here (also in docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ from mhmoe.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK_TIMEOUT_S = 600
+RAW_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # how Python prints an unhandled warning (file:line: ...)
 
 
 def _param(path: Path, convention: bool = False):
@@ -118,6 +120,8 @@ def _run_block(block: Block, work: Path, env: dict[str, str]) -> None:
     assert res.returncode == 0, (f"{block.where} ({block.lang}) exited {res.returncode}\n--- script\n"
                                  f"{' '.join(cmd[-1:]) if block.lang in SHELL_LANGS else block.text}\n--- stdout\n"
                                  f"{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}")
+    raw = [ln for ln in res.stderr.splitlines() if RAW_WARNING.match(ln)]
+    assert not raw, f"{block.where}: a raw Python warning (the docs promise one line per warning): {raw[0]}"
 
 
 def _run_doc(path: Path, kinds: set[str], tmp_path: Path, cache: Path) -> None:

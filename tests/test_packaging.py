@@ -4,6 +4,7 @@ setuptools."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def test_every_range_has_an_upper_bound():
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only the throwaway venv's packages
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_offline_editable_install_works_with_old_setuptools(tmp_path):

@@ -5,7 +5,9 @@ values are shown through :func:`bounded_repr`, foreign exception texts through :
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+from collections.abc import Iterable
 
 #: longest text :func:`one_line` and :func:`bounded_repr` return (characters)
 MAX_CHARS = 300
@@ -39,12 +41,26 @@ def one_line(message: object, limit: int = MAX_CHARS) -> str:
     return _cut(line, limit)
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value: ``ConfigError("moe.top_k", 9, "1..8 (<= n_experts)")``."""
+def close_match(value: object, choices: Iterable[str]) -> str | None:
+    """The choice closest to a misspelled ``value`` (:func:`difflib.get_close_matches`), or None."""
+    found = difflib.get_close_matches(_cut(str(value), MAX_CHARS), list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
 
-    def __init__(self, field: str, value: object, allowed: str) -> None:
-        self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"invalid {field}={bounded_repr(value)}: allowed {allowed}")
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """``"did you mean X?"`` for the closest of ``choices``, or ``""``."""
+    found = close_match(value, choices)
+    return f"did you mean {found}?" if found else ""
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value: ``ConfigError("moe.top_k", 9, "1..8 (<= n_experts)")``; ``hint``
+    (e.g. "did you mean tiny-mh3?") goes before what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str, hint: str = "") -> None:
+        self.field, self.value, self.allowed, self.hint = field, value, allowed, hint
+        super().__init__(f"invalid {field}={bounded_repr(value)}: " + (f"{hint} " if hint else "")
+                         + f"allowed {allowed}")
 
 
 class DataError(ValueError):

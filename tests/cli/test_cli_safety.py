@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MHMOE, tiny_run
+from helpers import MHMOE, run_messages, tiny_run
 
 import mhmoe.cli
 from mhmoe.checkpoint import list_checkpoints
@@ -70,9 +70,11 @@ def trained(config, tmp_path) -> Path:
 
 
 def _one_line(capsys, prefix: str) -> str:
+    """The one message line on stderr (a training's header and evaluation lines aside)."""
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(prefix), err
-    return err
+    lines = run_messages(err)
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0] + "\n"
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -115,6 +117,18 @@ def test_bad_paths_exit_2(config, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and not (tmp_path / "nothing").exists()
 
 
+def test_a_failed_train_leaves_no_empty_directories(config, tmp_path, capsys):
+    out = tmp_path / "runs" / "week1" / "mh3"  # neither runs/ nor runs/week1/ exists yet
+    assert main(["train", "--config", str(config), "--out", str(out), "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in _one_line(capsys, "mhmoe train: error:")
+    assert not (tmp_path / "runs").exists()  # every directory the run created is gone again
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("mine\n")
+    assert main(["train", "--config", str(config), "--out", str(out), "--data", str(tmp_path / "missing.txt")]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt"]  # what was there stays
+
+
 @pytest.mark.parametrize("error", [
     MemoryError("Unable to allocate 246. GiB for an array with shape (1000000000, 33)"),  # numpy, host memory
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\n(GPU 0; 79.1 GiB total)"),
@@ -131,7 +145,7 @@ def test_out_of_memory_is_one_line(config, tmp_path, monkeypatch, capsys, error)
 
 # ---- Ctrl-C and SIGTERM ----------------------------------------------------------------------------------------------
 def test_ctrl_c_while_the_cli_starts_is_one_line(monkeypatch, capsys):
-    def importing():
+    def importing(command=None):
         raise KeyboardInterrupt  # what a Ctrl-C during `import torch` looks like
 
     monkeypatch.setattr(mhmoe.cli, "_parser_builders", importing)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_run
+from helpers import run_messages, tiny_run
 
 from mhmoe.cli import bench as bench_cli
 from mhmoe.cli import main
@@ -41,7 +41,7 @@ def test_bf16_on_a_cpu_without_it_warns_once_in_one_line(run_dir, tmp_path, monk
     config = run_dir.parent / "run.yaml"
     assert main(["train", "--config", str(config), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16",
                  "--device", "cpu", "--no-progress"]) == 0
-    warn = [ln for ln in capsys.readouterr().err.splitlines() if "bf16" in ln]
+    warn = [ln for ln in run_messages(capsys.readouterr().err) if "bf16" in ln]
     assert len(warn) == 1 and warn[0].startswith("mhmoe: warning:") and "--dtype float32" in warn[0]
     monkeypatch.setattr(cpu, "native_bf16", lambda *a, **k: True)
     assert main(["eval", "--checkpoint", str(tmp_path / "bf16"), "--batches", "1", "--device", "cpu"]) == 0

@@ -69,3 +69,45 @@ def test_choices_are_checked_by_the_parser(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--out", "x", "--dtype", "float16"])
     assert info.value.code == 2 and "float16" in capsys.readouterr().err
+
+
+def test_every_subcommand_is_summarised_and_described(capsys):
+    from mhmoe.cli import COMMANDS
+
+    subs = _subparsers()
+    assert list(subs) == list(COMMANDS)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = "".join(capsys.readouterr().out.split())  # without the line wrapping
+    for name, (_, summary) in COMMANDS.items():
+        assert name + "".join(summary.split()) in listing, name  # `mhmoe --help` says what every command does
+        assert (subs[name].description or "").strip(), f"mhmoe {name} --help has no description"
+
+
+def test_help_shows_the_presets_values():
+    from mhmoe.config.presets import get_preset
+
+    def option(command: str, flag: str) -> str:
+        action = next(a for a in _subparsers()[command]._actions if flag in a.option_strings)
+        return HelpFormatter(prog="mhmoe")._get_help_string(action)
+
+    steps = get_preset("tiny-mh3").train.max_steps
+    assert option("train", "--max-steps").endswith(f"(default: the preset's: {steps} for tiny-mh3)")
+    lrs = {get_preset(n).train.lr for n in ("tiny-dense", "tiny-smoe", "tiny-mh3")}
+    assert len(lrs) == 1 and option("compare", "--lr").endswith(f"(default: each preset's: {lrs.pop()})")
+    assert "the preset's: auto for tiny-mh3" in option("train", "--device")
+
+
+def test_version_and_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("mhmoe ")
+    assert main(["trian", "--out", "x"]) == 2
+    assert capsys.readouterr().err == ("mhmoe: error: unknown command 'trian'; did you mean train? "
+                                       "(`mhmoe --help` lists them)\n")
+    assert main(["train", "--out", "x", "--preset", "tiny-mh33"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid preset='tiny-mh33': did you mean tiny-mh3?" in err
+    assert "paper-dense" not in err  # not the 70 names
+    assert main(["train", "--out", "x", "--set", "model.moe.topk=2"]) == 2
+    assert "did you mean top_k?" in capsys.readouterr().err

@@ -276,4 +276,7 @@ def test_presets_show_prints_loadable_yaml(name, capsys):
 def test_presets_show_unknown(capsys):
     assert main(["presets", "--show", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "preset" in err and "tiny-mh3" in err
+    assert err.count("\n") == 1 and "preset" in err and "`mhmoe presets` lists them" in err
+    assert main(["presets", "--show", "tiny-mh33"]) == 2  # a typo: the closest name, not all 70
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean tiny-mh3?" in err and "paper-dense" not in err

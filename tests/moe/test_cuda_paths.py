@@ -1,4 +1,5 @@
-"""Every execution path on CUDA against the loop oracle, in fp32 and bf16 (skipped without a GPU).
+"""Every execution path on CUDA against the loop oracle, in fp32 and bf16 (skipped without a GPU), and
+``impl="auto"`` free of host synchronisation in every dtype and at aligned and unaligned widths.
 
 fp32: tight tolerances (TF32 off). bf16 (weights and inputs in bf16, and fp32 weights under bf16
 autocast): error relative to the tensor's norm, a small multiple of bf16's unit roundoff
@@ -10,6 +11,8 @@ import torch
 from helpers import BF16_REL, assert_close_in_norm, oracle_pair
 
 from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.dispatch import resolve_impl
+from mhmoe.moe.dispatch.precision import cuda_matmul_tf32_set
 
 pytestmark = pytest.mark.gpu
 IMPLS = ["grouped_mm", "triton", "sorted", "padded", "fused", "auto"]
@@ -38,10 +41,8 @@ def _pair(cfg: dict, impl: str, d: int = 192):
 
 @pytest.fixture(autouse=True)
 def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+    with cuda_matmul_tf32_set(False):  # through whichever TF32 API is in use (transformers sets the new one)
+        yield
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -83,3 +84,34 @@ def test_bf16_paths_close_to_fp32_oracle(name, impl, mode):
         if "router" in n:  # fp32 routing on bf16-rounded inputs: argmax flips make these gradients noisy
             continue
         assert_close_in_norm(g1[n], g2[n], BF16_REL, n)
+
+
+@pytest.mark.parametrize("mode", ["float32", "bf16_weights", "autocast"])
+@pytest.mark.parametrize("d_expert, d", [(128, 192), (100, 150)], ids=["aligned", "unaligned"])
+def test_auto_never_waits_for_the_device(mode, d_expert, d):
+    """The path ``auto`` picks (grouped_mm only on its bf16 fast path, else triton) runs a forward and a
+    backward without one host synchronisation, in every dtype, at aligned and unaligned widths."""
+    cfg = MoEConfig(n_experts=8, top_k=2, d_expert=d_expert, heads=3 if d % 3 == 0 else 2, head_layer=True,
+                    merge_layer=True, impl="auto")
+    layer = oracle_pair(d, cfg)[0].cuda()
+    x = torch.randn(4, 64, d, device="cuda")
+    if mode == "bf16_weights":
+        layer, x = layer.to(torch.bfloat16), x.to(torch.bfloat16)
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast")
+    with ctx:
+        chosen = resolve_impl("auto", x.reshape(-1, layer.d_sub), layer.moe.experts)
+    assert chosen in ("grouped_mm", "triton"), chosen
+    for _ in range(2):  # compile / autotune / allocator warm-up first (they may synchronise)
+        with ctx:
+            out = layer(x)
+        (out.out.float().sum() + out.aux_loss).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with ctx:
+            out = layer(x)
+        (out.out.float().sum() + out.aux_loss).backward()
+        with torch.no_grad(), ctx:
+            layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

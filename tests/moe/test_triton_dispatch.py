@@ -28,8 +28,10 @@ from mhmoe.moe.reference import loop_moe  # noqa: E402
 from mhmoe.moe.routers import RouterOutput  # noqa: E402
 
 kernels = importlib.import_module("mhmoe.moe.dispatch.triton.kernels")
+launch = importlib.import_module("mhmoe.moe.dispatch.triton.launch")
 if not CUDA and not kernels.INTERPRETED:  # imported compiled before this module set the variable
     kernels = importlib.reload(kernels)
+    launch = importlib.reload(launch)
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -92,8 +94,18 @@ CASES = [  # S, E, K, D, F, ffn, extra routing
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["act_dx", "act_bwd+dx"])
+def fused(request, monkeypatch):
+    """Both backward designs in every dtype: the input gradient inside the act_bwd pass (act_dx, the bf16
+    default for D <= 256) and the two passes act_bwd + dx (fp32, wider experts)."""
+    from mhmoe.moe.dispatch.triton import ops
+
+    monkeypatch.setattr(ops, "fuse_dx", lambda d, dtype, enabled=None: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("S, E, K, D, Fh, ffn, kw", CASES)
-def test_matches_oracle_fp32(S, E, K, D, Fh, ffn, kw):
+def test_matches_oracle_fp32(S, E, K, D, Fh, ffn, kw, fused):
     experts, x, route = _setup(S, E, K, D, Fh, ffn, seed=S * 100 + E, **kw)
     assert triton_supported(x, experts)
     got, g_got = _grads(triton_moe, x, route, experts)
@@ -110,8 +122,24 @@ def test_matches_oracle_fp32(S, E, K, D, Fh, ffn, kw):
         assert empty.any()
 
 
+def test_widths_are_padded_to_aligned_strides(monkeypatch):
+    """Unaligned D and F run padded to multiples of 16 (zero columns/rows): the kernels see aligned widths,
+    the results are exact and have the caller's shapes."""
+    seen = []
+    real = launch.up_forward
+    monkeypatch.setattr(launch, "up_forward", lambda x, w1, *a, **k: seen.append((x.shape[1], w1.shape[2]))
+                        or real(x, w1, *a, **k))
+    experts, x, route = _setup(21, 3, 2, 12, 20, "swiglu", seed=2)
+    got, g_got = _grads(triton_moe, x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    assert seen == [(16, 32)] and got.shape == x.shape
+    for a, b in zip([got, *g_got], [want, *g_want], strict=True):
+        assert a.shape == b.shape
+        _close(a, b)
+
+
 @pytest.mark.parametrize("ffn", ["swiglu", "relu"])
-def test_bf16_within_reference_rounding(ffn):
+def test_bf16_within_reference_rounding(ffn, fused):
     """bf16 inputs and weights: the relative error (Frobenius norm) against the fp32 oracle is at most
     twice the bf16 oracle's own error plus a quarter of bf16's unit roundoff (2^-8)."""
     experts, x, route = _setup(41, 5, 2, 24, 40, ffn, seed=7, capacity=20)
@@ -158,7 +186,7 @@ def test_strided_input_and_broadcast_grad():
 
 
 @pytest.mark.parametrize("frozen", ["experts", "x", "weights"])
-def test_partial_gradients(frozen):
+def test_partial_gradients(frozen, fused):
     """Only the requested gradients are computed (frozen experts, a frozen input, fixed routing weights)."""
     experts, x, route = _setup(26, 4, 2, 16, 24, "relu", seed=5)
     want, g_want = _grads(loop_moe, x, route, experts)
@@ -195,19 +223,21 @@ def test_route_plan_tiles_cover_every_row_once():
     S, K, E, M = 61, 3, 9, 8
     experts = torch.randint(0, E - 2, (S, K), generator=gen)  # experts E-2, E-1 get no rows
     valid = torch.rand(S, K, generator=gen) > 0.25
-    plan = kernels.route_plan(experts, valid, E, block_m=M)
+    plan = launch.route_plan(experts, valid, E, (M, 2 * M))
     key = torch.where(valid, experts, E).reshape(-1)
     counts = torch.bincount(key, minlength=E + 1)[:E]
     assert torch.equal((plan.ends - plan.starts).long(), counts)
     assert torch.equal(key[plan.order.long()].sort().values, key[plan.order.long()])  # grouped by expert
-    assert len(plan.tile_expert) == kernels.n_tiles(S * K, E, M) >= int((counts + M - 1).div(M).sum())
-    seen = torch.zeros(S * K, dtype=torch.long)
-    for e, r in zip(plan.tile_expert.tolist(), plan.tile_row.tolist(), strict=True):
-        if e < E:
-            rows = torch.arange(r, min(r + M, int(plan.ends[e])))
-            assert len(rows) and (key[plan.order[rows].long()] == e).all()
-            seen[rows] += 1
-    assert torch.equal(seen, (torch.arange(S * K) < int(counts.sum())).long())
+    assert set(plan.tiles) == {M, 2 * M}
+    for bm, (tile_expert, tile_row) in plan.tiles.items():
+        assert len(tile_expert) == launch.n_tiles(S * K, E, bm) >= int((counts + bm - 1).div(bm).sum())
+        seen = torch.zeros(S * K, dtype=torch.long)
+        for e, r in zip(tile_expert.tolist(), tile_row.tolist(), strict=True):
+            if e < E:
+                rows = torch.arange(r, min(r + bm, int(plan.ends[e])))
+                assert len(rows) and (key[plan.order[rows].long()] == e).all()
+                seen[rows] += 1
+        assert torch.equal(seen, (torch.arange(S * K) < int(counts.sum())).long())
 
 
 def test_unsupported_experts_fall_back():
@@ -298,3 +328,22 @@ class TestCUDA:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
         assert peaks[3] <= 1.1 * peaks[2], peaks
+
+
+def test_compiles_into_one_graph():
+    """Under torch.compile the Triton path is opaque custom ops (mhmoe::triton_moe_*): an MH-MoE layer's
+    training forward traces into one graph, in fp32 and under bf16 autocast."""
+    from mhmoe.config.moe import MoEConfig
+    from mhmoe.moe.layers import build_ffn_layer
+
+    torch.manual_seed(0)
+    layer = build_ffn_layer(48, MoEConfig(n_experts=4, top_k=2, d_expert=32, heads=3, head_layer=True,
+                                          merge_layer=True, impl="triton")).to(DEV).train()
+    x = torch.randn(2, 8, 48, device=DEV)
+    for bf16 in (False, True):
+        torch._dynamo.reset()
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=bf16):
+            ex = torch._dynamo.explain(layer)(x)
+        assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+        ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes}
+        assert any("triton_moe_train" in o for o in ops), ops

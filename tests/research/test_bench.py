@@ -99,3 +99,85 @@ def test_hf_peer_block_shapes_and_grads(heads, k):
         assert out.out.shape == (16, 48) and float(out.aux_loss) == 0.0
         out.out.sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0, backend
+
+
+@pytest.mark.parametrize("name", ["smoe", "mh3"])
+def test_layer_flops_are_analytic_and_the_same_for_every_impl(name):
+    """The FLOPs behind every "x dense" ratio: the analytic count, one number whatever path runs. PyTorch's
+    counter agrees with it on a path it can count exactly (sorted: only routed rows, plain matmuls) and
+    not on grouped_mm (no formula for torch._grouped_mm) or padded (counts the padding rows)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mhmoe.moe.layers import build_ffn_layer
+    from mhmoe.research.bench import CONFIGS, D_MODEL, available_impls, layer_flops
+
+    cfg, tokens = CONFIGS[name], 64
+    x = torch.randn(tokens, D_MODEL)
+    counted = {}
+    for impl in available_impls(torch.device("cpu")):
+        torch.manual_seed(0)
+        layer = build_ffn_layer(D_MODEL, cfg.moe_config(impl))
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            layer(x)
+        counted[impl] = counter.get_total_flops()
+    assert counted["sorted"] == layer_flops(cfg, tokens)  # the counter, where it is right, agrees
+    if "grouped_mm" in counted:
+        assert counted["grouped_mm"] < layer_flops(cfg, tokens)  # what the old FlopCounter-based ratio saw
+    assert counted["padded"] >= layer_flops(cfg, tokens)
+    out = bench_rows(name)
+    assert {r["flops_fwd"] for r in out} == {layer_flops(cfg, tokens)}
+    assert all(r["dense_flops_fwd"] == 6 * D_MODEL * r["dense_hidden"] * tokens for r in out)
+
+
+def bench_rows(name: str) -> list[dict]:
+    from mhmoe.research.bench import CONFIGS, bench_config
+
+    return bench_config(CONFIGS[name], 64, torch.float32, torch.device("cpu"), repeats=1, passes=("fwd",),
+                        with_loop=False)
+
+
+def test_batched_mm_peer_memory_predicted_and_skipped(monkeypatch):
+    """hf_batched_mm gathers the expert weights per routed slot: its predicted memory grows with tokens x
+    d x F; a peer predicted past the free memory is skipped with a note in the row, not run."""
+    from mhmoe.research import bench
+    from mhmoe.research.bench_peers import peer_predicted_bytes
+
+    mh3 = bench.CONFIGS["mh3"]
+    args = (768, mh3.experts, mh3.d_expert, mh3.top_k, mh3.heads, 16384, torch.bfloat16)
+    fwd_bwd = peer_predicted_bytes("hf_batched_mm", *args, backward=True)
+    assert fwd_bwd == 4 * 16384 * 9 * 256 * 512 * 2  # 155 GB: more than an H100 has
+    assert peer_predicted_bytes("hf_batched_mm", *args, backward=False) == 3 * fwd_bwd // 4
+    assert peer_predicted_bytes("hf_grouped_mm", *args, backward=True) is None
+    cpu = torch.device("cpu")
+    why = bench.skipped_peers(mh3, 16384, torch.bfloat16, cpu, "fwd_bwd", ("hf_batched_mm", "hf_grouped_mm"), 80 << 30)
+    assert set(why) == {"hf_batched_mm"} and "predicted 144.0 GiB for fwd_bwd" in why["hf_batched_mm"]
+    assert bench.skipped_peers(mh3, 64, torch.float32, cpu, "fwd", ("hf_batched_mm",), 80 << 30) == {}
+    assert bench.skipped_peers(mh3, 16384, torch.float32, cpu, "fwd", ("hf_batched_mm",), None) == {}
+    assert bench.free_memory_bytes(cpu) is None or bench.free_memory_bytes(cpu) > 0
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench, "free_memory_bytes", lambda device: 1 << 20)  # 1 MiB free: skip it
+    rows = bench.bench_config(bench.CONFIGS["fgmoe"], 32, torch.float32, cpu, repeats=1, with_loop=False,
+                              peers=("hf_batched_mm", "hf_grouped_mm"))
+    for r in rows:
+        assert "hf_batched_mm" in r["peer_skipped"] and r["ms_peer_hf_batched_mm"] is None
+        assert r["ratio_peer_hf_batched_mm"] is None and r["ms_peer_hf_grouped_mm"] > 0
+
+
+@pytest.mark.gpu
+def test_batched_mm_prediction_bounds_its_measured_peak():
+    """On CUDA the prediction is an upper bound of the measured peak, and not a loose one."""
+    pytest.importorskip("transformers")
+    from mhmoe.research.bench import CONFIGS, _peak_mb, _runner
+    from mhmoe.research.bench_peers import build_peer, peer_predicted_bytes
+
+    cfg, tokens, dev = CONFIGS["fgmoe"], 1024, torch.device("cuda")
+    layer = build_peer("hf_batched_mm", 768, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, 1024)
+    layer = layer.to(dev, torch.bfloat16)
+    x = torch.randn(tokens, 768, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for pass_ in ("fwd", "fwd_bwd"):
+        fn = _runner(layer, x, pass_)
+        fn()
+        peak = _peak_mb({"ms_peer": fn}, dev)["mb_peer"] * 2**20
+        want = peer_predicted_bytes("hf_batched_mm", 768, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, tokens,
+                                    torch.bfloat16, backward=pass_ == "fwd_bwd")
+        assert 0.6 * want <= peak <= 1.25 * want, (pass_, peak / 2**20, want / 2**20)

@@ -37,12 +37,15 @@ def test_table_mean_and_std_over_seeds(runs):
     assert lines[0] == "| model | params | fwd FLOPs/token | ppl kjv | ppl pydocs | train tok/s |"
     assert lines[2] == "| tiny-dense | 3.34M | 6.68M | 105.00 ± 7.07 | 210.00 ± 14.14 | 3,050 |"
     assert lines[3] == "| tiny-mh3 | 7.49M | 6.68M | 90.00 | 180.00 | 1,000 |"
+    timed = markdown_table(runs, {"tiny-dense": 1234.4, "tiny-mh3": 987.6}).splitlines()  # round-robin timing
+    assert timed[2].endswith("| 1,234 |") and timed[3].endswith("| 988 |")
 
 
 def test_suite_report_files(runs, tmp_path):
     table = write_suite_report(runs, tmp_path, "compare: demo", {"wall_s": 12.5})
     md = (tmp_path / "results.md").read_text()
     assert md.startswith("# compare: demo") and table in md and "Seeds: 2 (mean ± std over seeds)." in md
+    assert "machine load included" in md  # what the tok/s column is, without a timing
     rows = list(csv.reader((tmp_path / "results.csv").open()))
     assert rows[0][:3] == ["suite", "label", "seed"] and len(rows) == 4 and rows[1][-2:] == ["100.0000", "200.0000"]
     data = json.loads((tmp_path / "results.json").read_text())

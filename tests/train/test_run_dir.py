@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MHMOE, assert_same_run, records, tiny_run
+from helpers import MHMOE, assert_same_run, records, run_messages, tiny_run
 
 import mhmoe
 from mhmoe.checkpoint import list_checkpoints
@@ -82,7 +82,7 @@ def test_two_trainings_into_one_run_directory(config, tmp_path):
         for p in procs:
             p.kill()
     assert first.returncode == 130, err
-    lines = err.splitlines()
+    lines = run_messages(err)
     assert len(lines) == 1 and lines[0].startswith("mhmoe train: interrupted (SIGINT) at step "), err
     step = int(lines[0].split(" at step ")[1].split(":")[0])
     assert [p.name for p in list_checkpoints(out)] == [f"step_{step:08d}"]

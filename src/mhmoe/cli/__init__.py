@@ -1,36 +1,74 @@
 """The ``mhmoe`` command line: one entry point, one module per command group.
 
 ``plan`` (plan, presets), ``train`` (train, eval, generate, compare), ``bench``, ``export`` (export,
-convert-checkpoint), ``research`` (reproduce, analyze), ``integrations`` (downstream, make-tasks and the
-transformers / lm-eval handlers). Every module lists ``PARSER_BUILDERS``: functions that add a
-subcommand whose parser sets ``func``; the handlers turn the parsed arguments into typed configs and
-call the library with those only. Every option has a help text and ``--help`` shows its default
-(:class:`HelpFormatter`); warnings are printed once, as one line, on rank 0 (:mod:`mhmoe.runtime.console`).
-Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and file-system errors) and running out of
-memory print one line to stderr and exit with status 2; running out of disk space (or the file-size limit,
-or the quota) while writing prints one line and exits with status 74; no traceback. Ctrl-C and SIGTERM, also during
-start-up, print one line and exit 130 / 143 (a training saves a checkpoint first, see :mod:`mhmoe.train.loop`).
+convert-checkpoint), ``research`` (reproduce, analyze, plot), ``integrations`` (downstream, make-tasks and
+the transformers / lm-eval handlers). :data:`COMMANDS` names every subcommand, its module and the one-line
+summary ``mhmoe --help`` shows; each module's ``PARSER_BUILDERS`` maps a command name to the function that
+adds its parser (which sets ``func``). Only the module of the command being run is imported, so
+``mhmoe --help`` and ``mhmoe --version`` answer without importing torch. The handlers turn the parsed
+arguments into typed configs and call the library with those only. Every option has a help text and
+``--help`` shows its default (:class:`HelpFormatter`); warnings are printed once, as one line, on rank 0
+(:mod:`mhmoe.runtime.console`). Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and
+file-system errors) and running out of memory print one line to stderr and exit with status 2; running
+out of disk space (or the file-size limit, or the quota) while writing prints one line and exits with
+status 74; no traceback. Ctrl-C and SIGTERM, also during start-up, print one line and exit 130 / 143 (a
+training saves a checkpoint first, see :mod:`mhmoe.train.loop`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from mhmoe.errors import NO_SPACE_EXIT, NoSpaceError, one_line
+from mhmoe.errors import NO_SPACE_EXIT, NoSpaceError, close_match, one_line
 from mhmoe.runtime.console import one_line_warnings
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.files import no_space_errno
 from mhmoe.runtime.signals import file_size_limit_as_error, raise_on_sigterm
 
+#: every subcommand, in ``mhmoe --help`` order: (module under mhmoe.cli, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("plan", "size an MH-MoE layer at FLOPs and parameter parity with a sparse MoE baseline"),
+    "presets": ("plan", "list the named presets, or print one as YAML"),
+    "train": ("train", "train a model from a preset or a YAML config"),
+    "eval": ("train", "perplexity of a checkpoint on every validation set (--tasks: lm-eval tasks)"),
+    "generate": ("train", "sample text from a model (KV cache)"),
+    "compare": ("train", "train + evaluate several presets; one table and one curves plot"),
+    "bench": ("bench", "benchmarks (moe: MoE layer paths vs masked loop vs same-FLOPs dense FFN)"),
+    "export": ("export", "export a checkpoint (--bitnet: packed 2-bit ternary weights; --hf: a transformers "
+                         "model directory)"),
+    "convert-checkpoint": ("export", "convert a checkpoint between single-file safetensors and sharded "
+                                     "torch.distributed.checkpoint (DCP)"),
+    "reproduce": ("research", "train + evaluate the matched models of a paper table"),
+    "analyze": ("research", "expert activation, sub-token assign diversity, entropy, load imbalance"),
+    "plot": ("research", "training and validation curves of any runs in one PNG"),
+    "downstream": ("integrations", "lm-eval tasks on several checkpoints: one table (rows = models)"),
+    "make-tasks": ("integrations", "(re)build the offline lm-eval tasks from the KJV held-out split"),
+}
 
-def _parser_builders() -> list[Callable[[argparse._SubParsersAction], None]]:
-    """Every command group's parser builders, in ``mhmoe --help`` order (heavy modules load per command)."""
-    from mhmoe.cli import bench, export, integrations, plan, research, train
 
-    return (plan.PARSER_BUILDERS + train.PARSER_BUILDERS + bench.PARSER_BUILDERS + export.PARSER_BUILDERS
-            + research.PARSER_BUILDERS + integrations.PARSER_BUILDERS)
+def version_string() -> str:
+    """``mhmoe X (torch Y, Python Z)`` from the installed distributions' metadata (imports no torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = sys.modules["mhmoe"].__version__  # the package itself (imported with any of its modules)
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:  # pragma: no cover
+        torch_version = "not installed"
+    return f"mhmoe {__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
+def _parser_builders(command: str | None = None) -> dict[str, Callable[[argparse._SubParsersAction], None]]:
+    """The parser builders of ``command``'s module (None: of every module; "": none), by command name.
+    Importing a module is what makes a command slow to start (torch), so only the one that runs is imported."""
+    modules = dict.fromkeys(mod for name, (mod, _) in COMMANDS.items() if command in (None, name))
+    builders: dict = {}
+    for mod in modules:
+        builders.update(importlib.import_module(f"mhmoe.cli.{mod}").PARSER_BUILDERS)
+    return builders
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -56,12 +94,38 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mhmoe", description="Multi-Head Mixture-of-Experts language models.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in _parser_builders():
-        add(sub)
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose one-line summary comes from :data:`COMMANDS` and is also the description of
+    ``mhmoe COMMAND --help`` when the builder gives none."""
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        summary = COMMANDS[name][1]
+        kwargs.setdefault("help", summary)
+        kwargs.setdefault("description", summary[:1].upper() + summary[1:] + ".")
+        return super().add_parser(name, **kwargs)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mhmoe`` parser. ``command`` None: every subcommand's full parser; a command name: only that
+    one's (the others are listed with their summary), so building it imports one command module; "": none
+    (``mhmoe --help``, ``mhmoe --version``)."""
+    parser = _Parser(prog="mhmoe", description="Multi-Head Mixture-of-Experts language models: plan, train, "
+                     "evaluate, compare and analyse MH-MoE and its baselines. `mhmoe COMMAND --help` for the options "
+                     "of a command.")
+    parser.add_argument("--version", action="version", version=version_string(), help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, action=_Commands)
+    builders = _parser_builders(command)
+    for name in COMMANDS:
+        if name in builders and (command is None or name == command):
+            builders[name](sub)
+        else:
+            sub.add_parser(name, add_help=False)  # listed in `mhmoe --help`; never parsed (not the command)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first argument that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 MESSAGE_CHARS = 2000  # the longest error line the command prints
@@ -82,10 +146,17 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = "mhmoe"
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # a SIGTERM raises mhmoe.runtime.signals.Interrupted (exit 143), like Ctrl-C; the file-size limit is EFBIG
         with raise_on_sigterm(), file_size_limit_as_error():
-            parser = build_parser()  # imports torch: a Ctrl-C here must end in one line too
+            name = _command_of(argv)
+            if name is not None and name not in COMMANDS:
+                hint = close_match(name, COMMANDS)
+                print(f"mhmoe: error: unknown command {name!r}" + (f"; did you mean {hint}?" if hint else "")
+                      + " (`mhmoe --help` lists them)", file=sys.stderr)
+                return 2
+            parser = build_parser(name or "")  # imports the command's module (torch): a Ctrl-C here is one line too
             args = parser.parse_args(argv)
             if not getattr(args, "func", None):
                 parser.print_help()

@@ -24,7 +24,7 @@ def default_dtypes(device: str) -> list[str]:
 
 # ---- bench -----------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (moe: MoE layer paths vs masked loop vs same-FLOPs dense FFN)")
+    p = sub.add_parser("bench")
     p.add_argument("what", choices=["moe"], help="which benchmark")
     p.add_argument("--configs", nargs="+", default=["smoe", "fgmoe", "mh2", "mh3"], metavar="CONFIG",
                    help="layers to time: smoe fgmoe mh2 mh3 (the v2 paper's parity models at d=768)")
@@ -79,4 +79,4 @@ def _run_bench(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_bench]
+PARSER_BUILDERS = {"bench": _add_bench}

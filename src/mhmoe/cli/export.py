@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from mhmoe.errors import ConfigError
 from mhmoe.runtime.files import atomic_write, publish_dir, remove_tree, staging_dir
 
@@ -21,8 +19,10 @@ def refuse_non_empty(out: Path, flag: str = "OUT") -> None:
 
 # ---- export ----------------------------------------------------------------------------------------
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint (--bitnet: packed 2-bit ternary weights, docs/BITNET.md; "
-                       "--hf: a transformers model directory)")
+    p = sub.add_parser("export", description="Export the newest valid checkpoint of a run: --hf writes a directory "
+                       "transformers' from_pretrained loads (docs/DOWNSTREAM.md); --bitnet packs the ternary weights "
+                       "of a model.quant=bitnet158 run 4 per byte (docs/BITNET.md). Both reload the export and "
+                       "print the largest logit difference to the checkpoint.")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--bitnet", action="store_true",
                      help="pack the ternary weights of a model.quant=bitnet158 checkpoint 4 per byte")
@@ -39,6 +39,8 @@ def _add_export(sub) -> None:
 
 
 def _run_export(args) -> int:
+    import torch
+
     from mhmoe.integrations.bitnet_packed import export_bitnet, load_packed
     from mhmoe.train.checkpoint import load_latest
 
@@ -81,8 +83,9 @@ def _run_export(args) -> int:
 
 # ---- convert-checkpoint ----------------------------------------------------------------------------
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert-checkpoint", help="convert a checkpoint between single-file safetensors and "
-                       "sharded torch.distributed.checkpoint (DCP)")
+    p = sub.add_parser("convert-checkpoint", description="Convert the newest valid checkpoint of a run between the "
+                       "single-file safetensors format and a sharded torch.distributed.checkpoint (DCP) directory "
+                       "(docs/DISTRIBUTED.md), written as OUT/checkpoints/step_N of a new run directory.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
     p.add_argument("out", metavar="OUT", help="a new (or empty) run directory to write OUT/checkpoints/step_N into")
     p.add_argument("--to", required=True, choices=["safetensors", "dcp"], help="target format")
@@ -113,4 +116,4 @@ def _run_convert(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_export, _add_convert]
+PARSER_BUILDERS = {"export": _add_export, "convert-checkpoint": _add_convert}

@@ -1,14 +1,21 @@
 """The commands of :mod:`mhmoe.integrations` (Hugging Face transformers, the LM Evaluation Harness):
 ``export --hf`` (handler), ``eval --tasks`` (handler), ``downstream`` and ``make-tasks``. transformers /
-lm-eval are optional extras, imported only by these commands."""
+lm-eval are optional extras, imported only by these commands.
+
+Their own output is kept out of ours (:func:`quiet_libraries`): no progress bars of datasets or lm-eval
+(the harness gets one bar of ours over its requests), their logs at error level, and lm-eval's
+``git describe`` without its ``fatal: not a git repository`` outside a git checkout."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,53 @@ def _require(module: str) -> None:
         raise ConfigError("extra", module, f"installed ({EXTRA_HINT[module]})") from None
 
 
+def _quiet_git_hash() -> str | None:
+    """lm-eval's ``get_git_commit_hash`` without git's message on stderr outside a checkout."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL,
+                                       text=True).strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Within the context, for the libraries already imported (lm-eval imports datasets): transformers'
+    and datasets' progress bars off and their logs at error level; lm-eval's per-task bars off and its
+    git hash read quietly. Everything is restored on exit."""
+    with contextlib.ExitStack() as stack:
+        if "lm_eval" in sys.modules:
+            from unittest import mock
+
+            import lm_eval.api.task
+            import lm_eval.evaluator
+            from tqdm.auto import tqdm
+
+            def no_bar(*args: Any, **kwargs: Any) -> Any:
+                return tqdm(*args, **{**kwargs, "disable": True})
+
+            stack.enter_context(mock.patch.object(lm_eval.api.task, "tqdm", no_bar))
+            if hasattr(lm_eval.evaluator, "get_git_commit_hash"):
+                stack.enter_context(mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _quiet_git_hash))
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            stack.callback(lambda: (hf_logging.set_verbosity(level),
+                                    hf_logging.enable_progress_bar() if bars else None))
+        if "datasets" in sys.modules:
+            import datasets
+
+            level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+            datasets.logging.set_verbosity_error()
+            datasets.disable_progress_bars()
+            stack.callback(lambda: (datasets.logging.set_verbosity(level),
+                                    datasets.enable_progress_bars() if bars else None))
+        yield
+
+
 # ---- export --hf -----------------------------------------------------------------------------------
 def run_export_hf(args: argparse.Namespace) -> int:
     """``mhmoe export --hf CHECKPOINT OUT``."""
@@ -34,7 +88,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from mhmoe.train.checkpoint import load_latest
 
     ck = load_latest(args.checkpoint, "cpu")
-    report = export_hf(ck, args.out)
+    report = export_hf(ck, args.out)  # quiet: transformers' bars and logs are off inside (quiet_transformers)
     if args.json:
         print(json.dumps({**report.to_dict(), "checkpoint": str(ck.path)}, indent=2))
     else:
@@ -81,17 +135,19 @@ def task_manager(tasks: list[str], include_path: list[str] | None = None) -> Any
 
 def run_harness(model: Any, tokenizer: Any, tasks: list[str], *, limit: float | None = None, batch_size: int = 8,
                 num_fewshot: int | None = None, include_path: list[str] | None = None,
-                bootstrap_iters: int = 100, manager: Any = None) -> dict[str, dict[str, float]]:
+                bootstrap_iters: int = 100, manager: Any = None, progress: bool = False) -> dict[str, dict[str, float]]:
     """Run lm-eval ``tasks`` on an :class:`~mhmoe.model.LM` + tokenizer; ``{task: {metric: value}}``
-    (``metric_stderr`` entries where the harness computes them)."""
+    (``metric_stderr`` entries where the harness computes them). ``progress``: one bar over the requests
+    (the libraries' own bars and messages are off, :func:`quiet_libraries`)."""
     manager = manager or task_manager(tasks, include_path)
     import lm_eval
 
     from mhmoe.integrations.lmeval import MHMoEHarnessLM
 
-    lm = MHMoEHarnessLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
-    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                  bootstrap_iters=bootstrap_iters, log_samples=False)
+    lm = MHMoEHarnessLM(model=model, tokenizer=tokenizer, batch_size=batch_size, progress=progress)
+    with quiet_libraries():
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False)
     out: dict[str, dict[str, float]] = {}
     for task, metrics in (res or {}).get("results", {}).items():
         row = {}
@@ -126,7 +182,7 @@ def run_eval_tasks(args: argparse.Namespace) -> int:
     ck = load_latest(args.checkpoint, "cpu")
     t0 = time.perf_counter()
     res = run_harness(ck.model, ck.tokenizer, tasks, limit=_limit(args.limit), batch_size=args.batch_size,
-                      num_fewshot=args.num_fewshot, manager=manager)
+                      num_fewshot=args.num_fewshot, manager=manager, progress=not args.no_progress)
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "tasks": res,
                           "wall_s": time.perf_counter() - t0}, indent=2))
@@ -151,11 +207,14 @@ def add_harness_args(p: argparse.ArgumentParser, tasks_required: bool) -> None:
 
 # ---- downstream ------------------------------------------------------------------------------------
 def _add_downstream(sub) -> None:
-    p = sub.add_parser("downstream", help="lm-eval tasks on several checkpoints: one table (rows = models)")
+    p = sub.add_parser("downstream", description="Run lm-eval harness tasks on several checkpoints and print one "
+                       "Markdown table: a row per model, a column per task metric with its standard error "
+                       "(docs/DOWNSTREAM.md).")
     p.add_argument("--checkpoints", nargs="+", required=True, metavar="RUN", help="run or checkpoint directories")
     p.add_argument("--labels", nargs="+", metavar="LABEL", help="row labels, one per checkpoint (default: the run "
                    "directory's name; for RUN/seed<k>, the parent's)")
     add_harness_args(p, tasks_required=True)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
     p.set_defaults(func=_run_downstream)
 
@@ -182,7 +241,7 @@ def _run_downstream(args) -> int:
         print(f"[{label}] {ck.path}: {', '.join(tasks)}", file=sys.stderr)
         t0 = time.perf_counter()
         res = run_harness(ck.model, ck.tokenizer, tasks, limit=_limit(args.limit), batch_size=args.batch_size,
-                          num_fewshot=args.num_fewshot, manager=manager)
+                          num_fewshot=args.num_fewshot, manager=manager, progress=not args.no_progress)
         rows.append({"model": label, "checkpoint": str(ck.path), "step": ck.step,
                      "params": sum(p.numel() for p in ck.model.parameters()), "tasks": res,
                      "wall_s": time.perf_counter() - t0})
@@ -216,7 +275,7 @@ def format_downstream(rows: list[dict], tasks: list[str]) -> str:
 
 # ---- make-tasks ------------------------------------------------------------------------------------
 def _add_make_tasks(sub) -> None:
-    p = sub.add_parser("make-tasks", help="(re)build the offline lm-eval tasks from the KJV held-out split",
+    p = sub.add_parser("make-tasks",
                        description="Write kjv_cloze.jsonl, kjv_ppl.jsonl and their task YAML files into OUT (the "
                        "shipped copies: src/mhmoe/integrations/tasks/).")
     p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
@@ -240,4 +299,4 @@ def _run_make_tasks(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_downstream, _add_make_tasks]
+PARSER_BUILDERS = {"downstream": _add_downstream, "make-tasks": _add_make_tasks}

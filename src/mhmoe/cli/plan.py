@@ -10,8 +10,7 @@ from mhmoe.config.planner import format_plan, plan
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "plan", help="size an MH-MoE layer at FLOPs and parameter parity with a sparse MoE baseline",
-        description="Size an MH-MoE layer (expert width F_h, expert count E_h) so that its FLOPs per token "
+        "plan", description="Size an MH-MoE layer (expert width F_h, expert count E_h) so that its FLOPs per token "
         "and parameters match a baseline SMoE layer (Huang et al. 2024, Eq.6-10, generalised).",
     )
     p.add_argument("--d-model", type=int, default=768, help="model width d")
@@ -58,7 +57,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 # ---- presets ---------------------------------------------------------------------------------------
 def _add_presets(sub) -> None:
-    p = sub.add_parser("presets", help="list the named presets, or print one as YAML")
+    p = sub.add_parser("presets", description="List the named presets (the papers' models and tiny versions of "
+                       "them): width, depth and FFN of each. --show NAME prints one as YAML, a valid --config file "
+                       "for `mhmoe train`.")
     p.add_argument("--show", metavar="NAME", help="print preset NAME as YAML, a valid --config file "
                    "(default: list all presets)")
     p.add_argument("--json", action="store_true", help="print JSON instead")
@@ -90,4 +91,4 @@ def _run_presets(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_plan_parser, _add_presets]
+PARSER_BUILDERS = {"plan": _add_plan_parser, "presets": _add_presets}

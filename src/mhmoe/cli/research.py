@@ -12,7 +12,7 @@ from pathlib import Path
 def _add_reproduce(sub) -> None:
     from mhmoe.research.reproduce import SUITE_SCALES, SUITES
 
-    p = sub.add_parser("reproduce", help="train + evaluate the matched models of a paper table",
+    p = sub.add_parser("reproduce",
                        description="Train and evaluate the rows of a paper table into OUT/<row>/seed<k>/ and write "
                        "OUT/results.md (ours beside the paper's), results.csv, results.json and curves.png. "
                        "Suites: " + ", ".join(SUITES))
@@ -43,8 +43,7 @@ def _run_reproduce(args: argparse.Namespace) -> int:
 
 
 def _add_analyze(sub) -> None:
-    p = sub.add_parser("analyze", help="expert activation, sub-token assign diversity, entropy, load imbalance",
-                       description="Route held-out text through a checkpoint and write activation.png/csv, "
+    p = sub.add_parser("analyze", description="Route held-out text through a checkpoint and write activation.png/csv, "
                        "diversity.png/csv and summary.json into RUN/analysis/; or, with --suite, analyse every "
                        "MoE run of a reproduce/compare directory beside uniformly random routing.")
     p.add_argument("--checkpoint", metavar="RUN", help="run directory or checkpoint directory (this or --suite; "
@@ -114,8 +113,7 @@ def run_directory(path: Path) -> Path:
 
 # ---- plot ------------------------------------------------------------------------------------------
 def _add_plot(sub) -> None:
-    p = sub.add_parser("plot", help="training and validation curves of any runs in one PNG",
-                       description="Draw the training loss and the validation perplexity of every RUN (a run "
+    p = sub.add_parser("plot", description="Draw the training loss and the validation perplexity of every RUN (a run "
                        "directory, or a compare/reproduce directory: all its runs, seeds averaged per model).")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories or suite directories")
     p.add_argument("--out", metavar="PNG", help="output file (default: RUN/curves.png when one RUN is given; "
@@ -178,4 +176,4 @@ def _print_analysis(summary: dict, threshold: float) -> None:
         print(f"  MoE layer {i}: router entropy {h:.3f} nats, load imbalance {imb:.2f} (random routing {rimb:.2f})")
 
 
-PARSER_BUILDERS = [_add_reproduce, _add_analyze, _add_plot]
+PARSER_BUILDERS = {"reproduce": _add_reproduce, "analyze": _add_analyze, "plot": _add_plot}

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from mhmoe.errors import ConfigError, TrainingStopped
 
 # flags that set one config field each; a flag wins over --set for the same field
@@ -78,25 +76,46 @@ def refuse_unhonoured_resume_overrides(args: argparse.Namespace, run, launch_fie
                               "new --out to change it")
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The settings people change every run, as flags (each maps onto one config field, see RUN_FLAGS)."""
+def preset_default(presets: tuple[str, ...], key: str) -> str:
+    """``(default: the preset's, X)`` for ``--help``: the value of config field ``key`` (e.g.
+    ``train.max_steps``) in ``presets`` (the command's default presets), one value if they agree."""
+    from mhmoe.config.presets import get_preset
+
+    values = []
+    for name in presets:
+        node = get_preset(name).to_dict()
+        for part in key.split("."):
+            node = node[part]
+        values.append(node)
+    whose = "the preset's" if len(presets) == 1 else "each preset's"
+    if len({repr(v) for v in values}) == 1:
+        shown = f"{values[0]}" + (f" for {presets[0]}" if len(presets) == 1 else "")
+    else:
+        shown = ", ".join(f"{n} {v}" for n, v in zip(presets, values, strict=True))
+    return f"(default: {whose}: {shown})".replace("%", "%%")
+
+
+def add_run_flags(p: argparse.ArgumentParser, presets: tuple[str, ...] = ("tiny-mh3",)) -> None:
+    """The settings people change every run, as flags (each maps onto one config field, see RUN_FLAGS);
+    their help shows the value they default to in ``presets`` (the command's default presets)."""
     from mhmoe.config.train import DEVICES, DTYPES
 
+    d = lambda key: preset_default(presets, key)  # noqa: E731
     p.add_argument("--data", metavar="CORPUS", help="training corpus: kjv | pydocs | wordnet | manpages | man-<lang> "
-                   "or a path (text file, directory, .jsonl, .parquet); = data.corpus (default: the preset's, kjv)")
-    p.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps; = train.max_steps (default: the "
-                   "preset's)")
-    p.add_argument("--lr", type=float, help="peak learning rate; = train.lr (default: the preset's)")
+                   f"or a path (text file, directory, .jsonl, .parquet); = data.corpus {d('data.corpus')}")
+    p.add_argument("--max-steps", type=int, metavar="N", help=f"optimizer steps; = train.max_steps "
+                   f"{d('train.max_steps')}")
+    p.add_argument("--lr", type=float, help=f"peak learning rate; = train.lr {d('train.lr')}")
     p.add_argument("--batch-size", type=int, metavar="B", help="sequences per micro-batch (per rank); "
-                   "= train.batch_size (default: the preset's)")
+                   f"= train.batch_size {d('train.batch_size')}")
     p.add_argument("--seed", type=int, help="seed of the initialisation and of the batch order; = train.seed "
-                   "(default: the preset's)")
-    p.add_argument("--device", choices=DEVICES, help="= train.device; auto: CUDA when available (default: the "
-                   "preset's, auto)")
+                   f"{d('train.seed')}")
+    p.add_argument("--device", choices=DEVICES, help="= train.device; auto: CUDA when available "
+                   f"{d('train.device')}")
     p.add_argument("--dtype", choices=DTYPES, help="autocast dtype; = train.dtype. bfloat16 is fast on GPUs and on "
-                   "CPUs with avx512_bf16/amx_bf16 only (default: the preset's, float32)")
+                   f"CPUs with avx512_bf16/amx_bf16 only {d('train.dtype')}")
     p.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (0: only at the end); "
-                   "= train.eval_every (default: the preset's)")
+                   f"= train.eval_every {d('train.eval_every')}")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. model.moe.top_k=2 "
                    "(repeatable; see `mhmoe presets --show NAME`; default: none)")
 
@@ -107,6 +126,8 @@ def warn_slow_bf16(device: str, dtype: str) -> None:
     from mhmoe.runtime.cpu import bf16_warning
 
     if device == "auto":
+        import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     message = bf16_warning(device, dtype)
     if message:
@@ -121,7 +142,7 @@ RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model from a preset or a YAML config",
+    p = sub.add_parser("train",
                        description="Train a model; writes OUT/config.yaml, metrics.jsonl, eval.jsonl, curves.png, "
                        "results.json and checkpoints/step_N/ (README: 'Run directories').")
     src = p.add_mutually_exclusive_group()
@@ -131,17 +152,21 @@ def _add_train(sub) -> None:
     p.add_argument("--out", required=True, metavar="RUN", help="run directory (created if missing)")
     add_run_flags(p)
     p.add_argument("--resume", action="store_true", help=RESUME_HELP)
-    p.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"], help="under torchrun: data parallelism; "
-                   "= train.parallel (default: the preset's, auto = ddp when WORLD_SIZE > 1); docs/DISTRIBUTED.md")
+    p.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"], help="under torchrun: data parallelism "
+                   "(auto = ddp when WORLD_SIZE > 1; docs/DISTRIBUTED.md); = train.parallel "
+                   + preset_default(("tiny-mh3",), "train.parallel"))
     p.add_argument("--ep", type=int, help="expert-parallel group size under torchrun; = train.ep; divides the world "
-                   "size and the expert count (default: the preset's, 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
+                   "size and the expert count " + preset_default(("tiny-mh3",), "train.ep"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and "
+                   "evaluation lines are still printed")
     p.add_argument("--json", action="store_true", help="print the final summary (results.json) as JSON")
     p.set_defaults(func=_run_train)
 
 
 def _run_train(args) -> int:
     run = _load_run(args)  # config errors before the (slow) torch.distributed import
+    import torch
+
     from mhmoe.parallel.launch import train_parallel as train
 
     refuse_unhonoured_resume_overrides(args, run, _launch_fields(args))
@@ -169,7 +194,9 @@ def _run_train(args) -> int:
 def _add_eval(sub) -> None:
     from mhmoe.cli.integrations import add_harness_args
 
-    p = sub.add_parser("eval", help="perplexity of a checkpoint on every validation set (--tasks: lm-eval tasks)")
+    p = sub.add_parser("eval", description="Perplexity of a checkpoint on every validation set of its run (the "
+                       "run's own task, tokenizer and data; caches where this machine keeps them). --tasks: lm-eval "
+                       "harness tasks instead (docs/DOWNSTREAM.md).")
     p.add_argument("--checkpoint", required=True, metavar="RUN", help="run directory (its newest valid checkpoint) "
                    "or checkpoint directory")
     p.add_argument("--batches", type=int, metavar="N", help="max evaluation batches per set (default: the run's "
@@ -177,6 +204,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the run's train.dtype)")
     add_harness_args(p, tasks_required=False)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_eval)
 
@@ -196,7 +224,8 @@ def _run_eval(args) -> int:
     ck = load_latest(args.checkpoint, device)
     dtype = args.dtype or ck.run.train.dtype
     warn_slow_bf16(device.type, dtype)
-    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device, dtype)  # the run's own task
+    res = evaluate_checkpoint(ck, args.batches or ck.run.train.eval_batches, device, dtype,  # the run's own task
+                              progress=not args.no_progress)
     if args.json:
         print(json.dumps({"checkpoint": str(ck.path), "step": ck.step, "eval": res}, indent=2))
     else:
@@ -210,7 +239,7 @@ def _run_eval(args) -> int:
 def _add_generate(sub) -> None:
     from mhmoe.train.checkpoint import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 
-    p = sub.add_parser("generate", help="sample text from a model (KV cache)",
+    p = sub.add_parser("generate",
                        description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
                        "export --hf directory; prints prompt + continuation. Python: mhmoe.load(path).generate(...)")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="run, checkpoint or saved model directory")
@@ -235,7 +264,7 @@ def _run_generate(args) -> int:
             raise ConfigError("--checkpoint", args.checkpoint, "a decoder (language model) run; this one is an encoder")
         print(model.generate(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
     except ConfigError as exc:  # name the flag, not the Python parameter
-        raise ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed) from None
+        raise ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.allowed, exc.hint) from None
     return 0
 
 
@@ -243,8 +272,7 @@ def _run_generate(args) -> int:
 def _add_compare(sub) -> None:
     from mhmoe.research.compare import DEFAULT_PRESETS
 
-    p = sub.add_parser("compare", help="train + evaluate several presets; one table and one curves plot",
-                       description="Train and evaluate every preset (x --seeds) the same way into "
+    p = sub.add_parser("compare", description="Train and evaluate every preset (x --seeds) the same way into "
                        "OUT/<preset>/seed<k>/ and write OUT/results.md, results.csv, results.json and curves.png. "
                        "Finished runs are reused (a run with a different config is refused).")
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), metavar="PRESET", help="presets to compare")
@@ -252,8 +280,11 @@ def _add_compare(sub) -> None:
                    "seed)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per preset (seed k trains with train.seed + k); the "
                    "table shows mean ± std when > 1")
-    add_run_flags(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
+    add_run_flags(p, tuple(DEFAULT_PRESETS))
+    p.add_argument("--timing-steps", type=int, default=3, metavar="N", help="after training, time N training steps "
+                   "of each final model round-robin for the tok/s column (0: show each run's average instead)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (stderr); the header and "
+                   "evaluation lines are still printed")
     p.add_argument("--json", action="store_true", help="print every run's summary as JSON instead of the table")
     p.set_defaults(func=_run_compare)
 
@@ -264,7 +295,10 @@ def _run_compare(args) -> int:
     t0 = time.perf_counter()
     first = compare_runs(args.presets, args.seeds, flag_overrides(args))[0][2]  # checks every name and override
     warn_slow_bf16(first.train.device, first.train.dtype)
-    runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress)
+    if args.timing_steps < 0:
+        raise ConfigError("--timing-steps", args.timing_steps, "an integer >= 0")
+    runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress,
+                              timing_rounds=args.timing_steps)
     if not runs:  # torchrun: rank 0 reports
         return 0
     if args.json:
@@ -276,4 +310,4 @@ def _run_compare(args) -> int:
     return 0
 
 
-PARSER_BUILDERS = [_add_train, _add_eval, _add_generate, _add_compare]
+PARSER_BUILDERS = {"train": _add_train, "eval": _add_eval, "generate": _add_generate, "compare": _add_compare}

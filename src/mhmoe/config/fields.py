@@ -12,7 +12,7 @@ import typing
 from dataclasses import fields
 from typing import Any, Literal, Union
 
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, did_you_mean
 
 INT64 = 2**63  # every integer field fits a signed 64-bit integer (torch and numpy take them as such)
 
@@ -86,7 +86,8 @@ def coerce_fields(cls: type, d: dict[str, Any], prefix: str) -> dict[str, Any]:
     out = dict(d)
     for key, value in d.items():
         if key not in types_:
-            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(types_)))
+            raise ConfigError(f"{prefix}.{key}", value, "one of " + ", ".join(sorted(types_)),
+                              did_you_mean(key, types_))
         tp, _ = types_[key]
         if tp is float and isinstance(value, (str, int)) and not isinstance(value, bool):
             try:

@@ -87,4 +87,4 @@ class ModelConfig:
 
 
 def _dotted(e: ConfigError, prefix: str) -> ConfigError:
-    return e if "." in e.field else ConfigError(f"{prefix}.{e.field}", e.value, e.allowed)
+    return e if "." in e.field else ConfigError(f"{prefix}.{e.field}", e.value, e.allowed, e.hint)

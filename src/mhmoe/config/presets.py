@@ -32,7 +32,7 @@ from mhmoe.config.moe import MoEConfig
 from mhmoe.config.planner import Plan, plan
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, did_you_mean
 
 SCALES = {
     # d_model, n_layers, n_heads, d_ff (= 8/3 d, the v2 paper's 2048/768)
@@ -188,7 +188,8 @@ def preset_names() -> list[str]:
 
 
 def get_preset(name: str) -> RunConfig:
-    """The run configuration of preset ``name``; unknown names raise ConfigError listing them."""
+    """The run configuration of preset ``name``; an unknown name raises ConfigError with the closest one."""
     if name not in PRESETS:
-        raise ConfigError("preset", name, ", ".join(PRESETS))
+        raise ConfigError("preset", name, f"one of the {len(PRESETS)} presets (`mhmoe presets` lists them)",
+                          did_you_mean(name, PRESETS))
     return PRESETS[name]()

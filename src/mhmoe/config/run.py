@@ -18,7 +18,7 @@ from mhmoe.config.data import DataConfig
 from mhmoe.config.fields import check, coerce_fields
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.train import TrainConfig
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, did_you_mean
 from mhmoe.runtime.bounded import MAX_YAML_CHARS, BoundedLoadError, load_yaml
 
 
@@ -113,7 +113,7 @@ class RunConfig:
                     raise ConfigError(key, raw, "a dotted path into model/train/data (see `mhmoe presets --show`)")
                 node = node[p]
             if parts[-1] not in node:
-                raise ConfigError(key, raw, "one of " + ", ".join(sorted(node)))
+                raise ConfigError(key, raw, "one of " + ", ".join(sorted(node)), did_you_mean(parts[-1], node))
             try:
                 node[parts[-1]] = load_yaml(raw, f"--set {key}")
             except BoundedLoadError:

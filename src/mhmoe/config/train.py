@@ -41,6 +41,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = off
     dtype: DType = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
     compile: bool = False  # torch.compile the model
+    # with compile, on CUDA: capture the compiled forward and backward as CUDA graphs (torch.compile mode
+    # "reduce-overhead"); the default paths have no host synchronisation, so the capture holds
+    cuda_graphs: bool = False
     device: Device = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch.set_num_threads on CPU (0 = torch default)
     seed: int = 1337
@@ -69,6 +72,8 @@ class TrainConfig:
               f"an integer >= 1 with batch_size * seq_len <= {MAX_MICRO_BATCH_TOKENS:,} (seq_len={self.seq_len})")
         check(isinstance(self.ep, int) and not isinstance(self.ep, bool) and self.ep >= 1, "train.ep", self.ep,
                "an integer >= 1 (1 = no expert parallelism)")
+        check(self.compile or not self.cuda_graphs, "train.cuda_graphs", self.cuda_graphs,
+              "false, or true together with train.compile=true (CUDA graphs capture the compiled model)")
         check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         for name in ("beta1", "beta2"):

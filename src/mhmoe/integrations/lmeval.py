@@ -23,11 +23,15 @@ Scoring (shapes: B batch, T <= max_seq_len, V vocabulary):
   left-truncated to leave room for ``max_gen_toks``; greedy unless ``do_sample``/``temperature`` ask
   otherwise; the text is cut at the first stop string.
 
+Progress: the harness' own "Tokenizing inputs" bars are off; ``progress=True`` shows one bar over the
+scored rows instead.
+
 Importing this module registers the backend name ``mhmoe`` with the harness (its global registry).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +54,7 @@ class MHMoEHarnessLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, model: LM | None = None, tokenizer: Tokenizer | None = None,
                  batch_size: int | str | None = 8, device: str | None = "cpu", max_length: int | str | None = None,
-                 **kwargs: Any) -> None:
+                 progress: bool = False, **kwargs: Any) -> None:
         super().__init__()
         device = device or "cpu"
         if (checkpoint is None) == (model is None):
@@ -70,6 +74,7 @@ class MHMoEHarnessLM(TemplateLM):
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self.max_length = min(int(max_length), model.cfg.max_seq_len) if max_length else model.cfg.max_seq_len
         self._device = next(model.parameters()).device
+        self.progress = progress
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MHMoEHarnessLM:
@@ -94,38 +99,50 @@ class MHMoEHarnessLM(TemplateLM):
         return self.tok.name
 
     # ---- scoring ----------------------------------------------------------------------------------
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=True)  # our bar is over the scoring (_score)
+
     @torch.no_grad()
     def _score(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether greedy decoding reproduces it) per pair."""
+        from tqdm.auto import tqdm
+
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            seqs, conts = [], []
-            for i in rows:
-                ctx, cont = pairs[i]
-                if not cont:
-                    out[i] = (0.0, True)
-                    continue
-                whole = (ctx + cont)[-(self.max_length + 1):]
-                seqs.append((i, whole[:-1]))
-                conts.append(cont[-len(whole) + 1:] if len(cont) >= len(whole) else cont)
-            if not seqs:
-                continue
-            T = max(len(s) for _, s in seqs)
-            idx = torch.full((len(seqs), T), self.tok.eos_id, dtype=torch.long)
-            mask = torch.zeros((len(seqs), T), dtype=torch.bool)
-            for r, (_, s) in enumerate(seqs):
-                idx[r, :len(s)] = torch.tensor(s)
-                mask[r, :len(s)] = True
-            idx, mask = idx.to(self._device), mask.to(self._device)
-            logp = F.log_softmax(self.model(idx, mask=None if bool(mask.all()) else mask).logits.float(), -1)
-            for r, ((i, s), cont) in enumerate(zip(seqs, conts, strict=True)):
-                n = len(cont)
-                lp = logp[r, len(s) - n:len(s)]  # [n, V]: predictions of the continuation tokens
-                target = torch.tensor(cont, device=lp.device)
-                out[i] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
+        with tqdm(total=len(order), desc="lm-eval: scoring", unit="row", leave=False, disable=not self.progress,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start:start + self.batch_size]
+                self._score_rows(pairs, rows, out)
+                bar.update(len(rows))
         return [o if o is not None else (0.0, True) for o in out]
+
+    def _score_rows(self, pairs: list[Pair], rows: list[int], out: list[tuple[float, bool] | None]) -> None:
+        """Score ``pairs[i]`` for ``i`` in ``rows`` as one right-padded batch [B, T] into ``out[i]``."""
+        seqs, conts = [], []
+        for i in rows:
+            ctx, cont = pairs[i]
+            if not cont:
+                out[i] = (0.0, True)
+                continue
+            whole = (ctx + cont)[-(self.max_length + 1):]
+            seqs.append((i, whole[:-1]))
+            conts.append(cont[-len(whole) + 1:] if len(cont) >= len(whole) else cont)
+        if not seqs:
+            return
+        T = max(len(s) for _, s in seqs)
+        idx = torch.full((len(seqs), T), self.tok.eos_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), T), dtype=torch.bool)
+        for r, (_, s) in enumerate(seqs):
+            idx[r, :len(s)] = torch.tensor(s)
+            mask[r, :len(s)] = True
+        idx, mask = idx.to(self._device), mask.to(self._device)
+        logp = F.log_softmax(self.model(idx, mask=None if bool(mask.all()) else mask).logits.float(), -1)
+        for r, ((i, s), cont) in enumerate(zip(seqs, conts, strict=True)):
+            n = len(cont)
+            lp = logp[r, len(s) - n:len(s)]  # [n, V]: predictions of the continuation tokens
+            target = torch.tensor(cont, device=lp.device)
+            out[i] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               **kwargs: Any) -> list[tuple[float, bool]]:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs
 
 
@@ -179,11 +180,10 @@ def summarize(records: list[RoutingRecord], threshold: float) -> dict:
 
 
 def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | Path, top: int = 20) -> dict:
-    """Write activation.png/csv, diversity.png/csv and summary.json into ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Write activation.png/csv, diversity.png/csv (:mod:`mhmoe.research.analysis_plots`) and summary.json
+    into ``out_dir``."""
+    from mhmoe.research.analysis_plots import activation_figure, diversity_figure
+    from mhmoe.train.plot_style import save_figure
 
     out = make_dirs(out_dir, root=Path(out_dir).parent)  # RUN/analysis: refused if it is a symlink
     freq: Tensor = summary.pop("frequency")
@@ -194,16 +194,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     for i, row in enumerate(freq.tolist()):
         w.writerow([i] + [f"{v:.6g}" for v in row])
     atomic_write(out / "activation.csv", buf.getvalue())
-    fig, ax = plt.subplots(figsize=(max(6, 0.12 * (freq.shape[1] if freq.numel() else 1)), 1.2 + 0.5 * len(freq)))
-    im = ax.imshow(freq.numpy() if freq.numel() else np.zeros((1, 1)), aspect="auto", cmap="viridis")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("MoE layer")
-    ax.set_yticks(range(max(1, len(freq))))
-    ax.set_title(f"expert activation (selections / token); activation ratio {summary['activation_ratio']:.3f}")
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    atomic_write(out / "activation.png", lambda f: fig.savefig(f, format="png", dpi=120))
-    plt.close(fig)
+    save_figure(activation_figure(freq.numpy(), summary), out / "activation.png", dpi=120)
     ids = torch.cat(token_ids) if token_ids else torch.zeros(0, dtype=torch.long)
     values, counts = np.unique(div.numpy().round(3), return_counts=True) if div.numel() else ([], [])
     buf = io.StringIO(newline="")
@@ -211,14 +202,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     w.writerow(["mean_distinct_experts", "tokens"])
     w.writerows(zip(values, counts, strict=True))
     atomic_write(out / "diversity.csv", buf.getvalue())
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(div.numpy() if div.numel() else [], bins=30)
-    ax.set_xlabel("distinct experts per token (mean over MoE layers)")
-    ax.set_ylabel("tokens")
-    ax.set_title(f"sub-token assign diversity (mean {summary['mean_assign_diversity']:.2f})")
-    fig.tight_layout()
-    atomic_write(out / "diversity.png", lambda f: fig.savefig(f, format="png", dpi=120))
-    plt.close(fig)
+    save_figure(diversity_figure(div.numpy(), summary), out / "diversity.png", dpi=120)
     if div.numel():
         order = torch.argsort(div, descending=True, stable=True)
         pick = lambda idx: [{"token": decode([int(ids[i])]), "diversity": float(div[i])} for i in idx]  # noqa: E731
@@ -273,7 +257,7 @@ def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
     from mhmoe.research.reproduce import run_dir_name
 
     summary = suite_dir / "summary.json"
-    labels = [r["label"] for r in json.loads(summary.read_text())["rows"]] if summary.exists() else []
+    labels = [r["label"] for r in load_json(summary.read_text(), str(summary))["rows"]] if summary.exists() else []
     by_dir = {run_dir_name(label): label for label in labels}
     runs = [(by_dir.get(d.parent.name, d.parent.name), d) for d in suite_dir.glob("*/seed*")
             if (d / "results.json").exists()]

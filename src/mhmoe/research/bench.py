@@ -7,10 +7,12 @@ fine-grained 16x1024 top-2, MH-MoE h=2 40x768 top-2 and h=3 96x512 top-3 (with h
 References in every row:
 
 - ``dense``: one SwiGLU FFN whose hidden width is the multiple of 128 closest to the width that makes
-  its matmul FLOPs equal to the MoE layer's (measured with FlopCounterMode, so head/merge and router
-  FLOPs are included): tensor-core friendly, as a real dense model would be. Its time is reported as
-  measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs (``ms_dense_norm``);
-  ``ratio_dense`` = ms_dense_norm / ms_ours.
+  its matmul FLOPs equal to the MoE layer's: tensor-core friendly, as a real dense model would be. FLOPs
+  are the analytic count of :mod:`mhmoe.config.flops` (experts for the routed sub-tokens, head/merge,
+  router), a property of the layer and so the same for every path: PyTorch's FlopCounterMode has no
+  formula for ``torch._grouped_mm`` and counts padded rows, so it would give each path another number.
+  Its time is reported as measured (``ms_dense``) and FLOP-normalised to the MoE layer's FLOPs
+  (``ms_dense_norm``); ``ratio_dense`` = ms_dense_norm / ms_ours.
 - ``floor``: the expert GEMMs alone -- every expert gets the same number of rows (the routed rows /
   E), run as batched GEMMs on pre-gathered blocks: no router, no dispatch, no combine, no head/merge.
 - peers (:mod:`mhmoe.research.bench_peers`): HF transformers' Qwen3-MoE block with each of its experts
@@ -35,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from mhmoe.config.flops import moe_layer_flops
 from mhmoe.config.moe import MoEConfig
 from mhmoe.moe.experts import DenseFFN, GroupedExperts
 from mhmoe.moe.layers import build_ffn_layer
@@ -202,10 +204,15 @@ def _autocast(fn: Callable[[], Any], device: torch.device, dtype: torch.dtype) -
     return run
 
 
-def layer_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        module(x.detach())  # FlopCounterMode's module tracker cannot hook a grad-requiring input under no_grad
-    return counter.get_total_flops()
+def layer_flops(cfg: BenchConfig, tokens: int, d_model: int = D_MODEL) -> int:
+    """Analytic forward FLOPs of the config's layer on ``tokens`` tokens (:func:`mhmoe.config.flops.moe_layer_flops`:
+    the routed experts, head/merge projections and router), the same for every execution path."""
+    return round(tokens * sum(moe_layer_flops(cfg.moe_config("auto"), d_model).values()))
+
+
+def dense_flops(d_hidden: int, tokens: int, d_model: int = D_MODEL) -> int:
+    """Analytic forward FLOPs of the SwiGLU dense reference of hidden width ``d_hidden`` on ``tokens`` tokens."""
+    return 6 * d_model * d_hidden * tokens
 
 
 def _autocast_peer(name: str) -> bool:
@@ -227,6 +234,40 @@ def _peak_mb(fns: dict[str, Callable[[], Any]], device: torch.device) -> dict[st
     return out
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can still get: on CUDA the driver's free memory plus what the caching
+    allocator holds unused; on CPU ``MemAvailable`` of /proc/meminfo (None where unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+MEMORY_HEADROOM = 0.9  # a peer may use at most this fraction of the free memory (the allocator fragments)
+
+
+def skipped_peers(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, pass_: str,
+                  peers: tuple[str, ...], free: int | None) -> dict[str, str]:
+    """{peer: why} for the peers whose predicted memory for this pass exceeds the free memory."""
+    from mhmoe.research.bench_peers import peer_predicted_bytes
+
+    out = {}
+    for name in peers:
+        need = peer_predicted_bytes(name, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, tokens, dtype,
+                                    backward=pass_ == "fwd_bwd")
+        if need is not None and free is not None and need > MEMORY_HEADROOM * free:
+            out[name] = (f"skipped: predicted {need / 2**30:.1f} GiB for {pass_} > {MEMORY_HEADROOM:.0%} of "
+                         f"{free / 2**30:.1f} GiB free (it gathers the expert weights per routed slot)")
+    return out
+
+
 def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: torch.device, with_loop: bool,
                 peers: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], dict[str, torch.nn.Module], int]:
     """(our layers by impl, references and peers by name, the layer's forward FLOPs)."""
@@ -236,7 +277,7 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
     first = next(iter(layers.values()))
     for layer in layers.values():
         layer.load_state_dict(first.state_dict())
-    flops = layer_flops(first, x)
+    flops = layer_flops(cfg, tokens)
     refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL)),
                                         "floor": GemmFloor(cfg, tokens)}
     if with_loop:
@@ -263,14 +304,20 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
     torch.manual_seed(0)
     x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
     layers, refs, flops = _candidates(cfg, x, dtype, device, with_loop, peers)
-    dense_flops = layer_flops(refs["dense"], x)
+    ref_flops = dense_flops(refs["dense"].experts.d_hidden, tokens)
     rows = []
     for pass_ in passes:
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
-                               "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": dense_flops}
+                               "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": ref_flops}
         fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
+        skipped = skipped_peers(cfg, tokens, dtype, device, pass_, tuple(n[5:] for n in refs if n.startswith("peer_")),
+                                free_memory_bytes(device))
+        if skipped:
+            row["peer_skipped"] = skipped
         for name, m in refs.items():  # peers in bf16: under autocast (fp32 weights)
+            if name[5:] in skipped and name.startswith("peer_"):
+                continue
             run = _runner(m, x, pass_)
             fns[f"ms_{name}"] = _autocast(run, device, dtype) if _autocast_peer(name) and dtype != torch.float32 \
                 else run
@@ -279,9 +326,34 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row.update(times)
         if device.type == "cuda":
             row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
-        _summarise(row, layers, refs, errors, flops / dense_flops)
+        _summarise(row, layers, refs, errors, flops / ref_flops)
+        row.update(predictions(cfg, tokens, dtype, pass_, row["dense_hidden"], device))
         rows.append(row)
     return rows
+
+
+def predictions(cfg: BenchConfig, tokens: int, dtype: torch.dtype, pass_: str, dense_hidden: int,
+                device: torch.device) -> dict[str, Any]:
+    """The traffic model's predicted ms (:mod:`mhmoe.research.traffic`) of the Triton path and of the dense
+    reference, with the L2 bound and without it (``*_no_l2``), on a GPU the model knows; {} elsewhere."""
+    from mhmoe.research.traffic import dense_prediction, device_for, layer_prediction, without_l2
+
+    dev = device_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if dev is None:
+        return {}
+    dt = "bf16" if dtype == torch.bfloat16 else ("tf32" if _tf32() else "fp32")
+    out: dict[str, Any] = {"pred_device": dev.name}
+    for suffix, d in (("", dev), ("_no_l2", without_l2(dev))):
+        out[f"pred_ms_triton{suffix}"] = layer_prediction(tokens, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k,
+                                                          cfg.heads, dt, pass_, d)["layer_ms"]
+        out[f"pred_ms_dense{suffix}"] = dense_prediction(tokens, D_MODEL, dense_hidden, dt, pass_, d)
+    return out
+
+
+def _tf32() -> bool:
+    from mhmoe.moe.dispatch.precision import cuda_matmul_tf32
+
+    return cuda_matmul_tf32()
 
 
 def _summarise(row: dict[str, Any], layers: dict, refs: dict, errors: dict[str, str], flop_ratio: float) -> None:
@@ -326,15 +398,22 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
     return {"machine": machine, "rows": rows}
 
 
+def _pred_range(row: dict, key: str) -> str:
+    """"lo-hi" ms of a prediction: without the L2 bound, with it."""
+    return "-" if key not in row else f"{row[key + '_no_l2']:.2f}-{row[key]:.2f}"
+
+
 def format_rows(result: dict) -> str:
     rows = result["rows"]
     refs = ("ours", "dense", "dense_norm", "loop", "floor")
     impls = sorted({k[3:] for r in rows for k in r
                     if k.startswith("ms_") and k[3:] not in refs and not k.startswith("ms_peer_")})
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
+    pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
             + ["ours ms", "loop ms", "dense ms", "dense/ours", "floor ms", "floor/ours", "loop/ours", "vs smoe"]
-            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")])
+            + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
+            + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
@@ -342,9 +421,14 @@ def format_rows(result: dict) -> str:
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
                   fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
+        if pred:
+            cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]
         lines.append("| " + " | ".join(cells) + " |")
     m = result["machine"]
     gpu = f" ({m['gpu']})" if m.get("gpu") else ""
     lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}{gpu}; "
-                 "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs")
+                 "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs (analytic)"
+                 + ("; predicted = the traffic model (mhmoe.research.traffic) on "
+                    f"{next(r['pred_device'] for r in rows if 'pred_device' in r)}, without-L2 bound to "
+                    "with-L2 bound (unmeasured assumptions)" if pred else ""))
     return "\n".join(lines)

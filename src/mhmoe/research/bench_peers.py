@@ -22,6 +22,15 @@ A peer that cannot express a config (top-1, or top-3 for ``moe``) is skipped for
   weights not renormalised, as in our configs), router and experts initialised N(0, 0.02). It returns
   no auxiliary loss. In bfloat16 its weights are cast to bf16 (transformers runs models in the model
   dtype), so it gets the same inputs as our layer.
+
+Memory: ``hf_batched_mm`` gathers the expert weights for every (token, slot) pair before its batched
+GEMVs (``gate_up_proj[expert_ids]``: [N, 2F, d], then ``down_proj[expert_ids]``: [N, d, F], N = routed
+sub-tokens x top-k), all kept for the backward, and the backward materialises each one's gradient
+(while it is still saved) before scattering it to the experts: a peak of about 3 N d F elements in the
+forward and 4 N d F in forward + backward (:func:`peer_predicted_bytes`; in bf16 at 16k tokens 116-155 GB
+forward for the four parity configs). The benchmark skips a peer
+whose prediction exceeds the free memory, with a note in the JSON, rather than letting it fail or
+fragment the allocator mid-run.
 """
 
 from __future__ import annotations
@@ -122,6 +131,18 @@ def build_peer(name: str, d_model: int, experts: int, d_expert: int, top_k: int,
     else:
         raise ValueError(f"unknown peer {name!r}: allowed {', '.join(PEERS)}")
     return PeerLayer(peer, d_model, heads, group)
+
+
+def peer_predicted_bytes(name: str, d_model: int, experts: int, d_expert: int, top_k: int, heads: int,
+                         tokens: int, dtype: torch.dtype, backward: bool) -> int | None:
+    """Predicted peak memory (bytes above the inputs and weights) of peer ``name`` on ``tokens`` tokens, for
+    the peers whose memory grows with tokens x expert size (``hf_batched_mm``); None for the others, whose
+    memory is that of their activations (like our layer's)."""
+    if name != "hf_batched_mm":
+        return None
+    n, d_in = tokens * heads * top_k, d_model // heads
+    item = torch.empty((), dtype=dtype).element_size()
+    return (4 if backward else 3) * n * d_in * d_expert * item
 
 
 def peer_info() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from mhmoe.errors import ConfigError
 from mhmoe.parallel.launch import train_parallel
 from mhmoe.research.report import write_suite_report
 from mhmoe.research.reproduce import _check_same_run as check_same_run
+from mhmoe.research.throughput import ROUNDS, describe, timed_throughput
 from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.console import is_rank0
 from mhmoe.runtime.files import make_dirs
@@ -39,8 +40,10 @@ def compare_runs(presets: list[str], seeds: int = 1,
 
 
 def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: list[str] | None = None,
-                progress: bool = True) -> tuple[list[dict], str]:
-    """Train (or reuse) every preset x seed into ``out``; write the suite report. Returns (runs, Markdown table)."""
+                progress: bool = True, timing_rounds: int = ROUNDS) -> tuple[list[dict], str]:
+    """Train (or reuse) every preset x seed into ``out``; time the final models' training steps round-robin
+    (``timing_rounds`` steps each, :mod:`mhmoe.research.throughput`; 0: no timing, the table shows each
+    run's average); write the suite report. Returns (runs, Markdown table with its notes)."""
     out = Path(out)
     plan = compare_runs(presets, seeds, overrides)
     runs, t0 = [], time.perf_counter()
@@ -62,7 +65,14 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
     if not runs:  # a torchrun rank other than 0
         return [], ""
     wall = time.perf_counter() - t0
-    table = write_suite_report(runs, out, "compare: " + ", ".join(presets), {"wall_s": wall, "seeds": seeds})
+    timing = None
+    if timing_rounds > 0:
+        first = {r["label"]: r["run_dir"] for r in runs if r["seed"] == 0}
+        train_cfg = plan[0][2].train
+        print(f"timing {timing_rounds} training steps of each model, round-robin", file=sys.stderr)
+        timing = timed_throughput(first, timing_rounds, train_cfg.device, train_cfg.threads)
+    table = write_suite_report(runs, out, "compare: " + ", ".join(presets), {"wall_s": wall, "seeds": seeds},
+                               timing, describe(timing) if timing else "")
     return runs, table
 
 

@@ -151,7 +151,8 @@ def analyze_encoder_checkpoint(checkpoint: str | Path, out_dir: str | Path, batc
         maps[c.step] = diversity_maps(c.model, data, shown, batch_size, device)[1]
     experts = subtoken_experts(ck.model, data, shown, device)
     draw_fig8(out_dir, [data.image(i) for i in shown], [data.caption(i) for i in shown], maps, experts,
-              ck.run.model.moe.n_experts, max_diversity=summary["max_possible_diversity"])
+              ck.run.model.moe.n_experts, max_diversity=summary["max_possible_diversity"],
+              random_diversity=float(np.mean(summary["random_routing"]["expected_assign_diversity_per_layer"])))
     atomic_write(Path(out_dir) / "fig8.json", json.dumps({
         "images": shown, "captions": [data.caption(i) for i in shown], "grid": list(data.grid),
         "diversity": {str(s): np.round(m, 4).tolist() for s, m in maps.items()}, "experts": experts.tolist(),
@@ -175,8 +176,11 @@ def expert_canvas(experts: np.ndarray) -> np.ndarray:
 
 
 def draw_fig8(out_dir: str | Path, images: list[np.ndarray], captions: list[str], maps: dict[int, np.ndarray],
-              experts: np.ndarray, n_experts: int, max_diversity: int) -> Path:
-    """fig8.png: one row per image: the picture, a diversity map per checkpoint step, the sub-token experts."""
+              experts: np.ndarray, n_experts: int, max_diversity: int, random_diversity: float | None = None) -> Path:
+    """fig8.png: one row per image: the picture, a diversity map per checkpoint step, the sub-token experts.
+    The colour bar marks ``random_diversity`` (expected distinct experts per patch under random routing)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +193,7 @@ def draw_fig8(out_dir: str | Path, images: list[np.ndarray], captions: list[str]
     for i, img in enumerate(images):
         ax = axes[i]
         ax[0].imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
-        ax[0].set_ylabel(captions[i][:22], fontsize=7)
+        ax[0].set_ylabel("\n".join(textwrap.wrap(captions[i], 22, max_lines=2, placeholder="..")), fontsize=7)
         rows, cols = maps[steps[0]][i].shape
         extent = (0, cols, rows, 0)  # every panel covers the image's patch grid
         for j, s in enumerate(steps):
@@ -204,7 +208,14 @@ def draw_fig8(out_dir: str | Path, images: list[np.ndarray], captions: list[str]
         for a in ax:
             a.set_xticks([])
             a.set_yticks([])
-    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.5, label="diversity: distinct experts per patch")
+    label = "diversity: distinct experts per patch"
+    bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.5, label=label)
+    if random_diversity is not None:
+        bar.ax.axhline(random_diversity, color="tab:cyan", linestyle="--", linewidth=2)
+        bar.set_label(f"{label}\n(dashed: random routing, {random_diversity:.2f})")
+    from matplotlib.ticker import MaxNLocator
+
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     path = Path(out_dir) / "fig8.png"
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,21 @@ def format_ppl(cell: dict | None) -> str:
     return f"{cell['mean']:.2f}" + (f" ± {cell['std']:.2f}" if cell.get("std") is not None else "")
 
 
-def markdown_table(runs: list[dict]) -> str:
-    """model | params | fwd FLOPs/token | ppl <set>... | train tok/s (the README's demo table)."""
+RUN_AVERAGE_NOTE = ("train tok/s: each run's tokens over its training time, machine load included (runs trained at "
+                    "different times on a shared machine are not comparable by it).")
+
+
+def markdown_table(runs: list[dict], timed: dict[str, float] | None = None) -> str:
+    """model | params | fwd FLOPs/token | ppl <set>... | train tok/s (the README's demo table). ``timed``
+    (label -> tokens/s, :func:`mhmoe.research.throughput.timed_throughput`) fills the tok/s column;
+    without it the column is each model's run average (:data:`RUN_AVERAGE_NOTE` says what that is)."""
     sets = val_sets(runs)
     head = ["model", "params", "fwd FLOPs/token"] + [f"ppl {s}" for s in sets] + ["train tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in model_rows(runs):
+        tps = timed.get(row["model"]) if timed else row["tokens_per_s"]
         cells = [row["model"], f"{row['params'] / 1e6:.2f}M", f"{row['fwd_flops_per_token'] / 1e6:.2f}M"]
-        cells += [format_ppl(row["ppl"].get(s)) for s in sets] + [f"{row['tokens_per_s']:,.0f}"]
+        cells += [format_ppl(row["ppl"].get(s)) for s in sets] + ["-" if tps is None else f"{tps:,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -100,17 +108,22 @@ def plot_suite_curves(runs: list[dict], path: str | os.PathLike[str], title: str
 
 
 def write_suite_report(runs: list[dict], out: str | os.PathLike[str], title: str,
-                       extra: dict | None = None) -> str:
-    """results.md / .csv / .json and curves.png of a compare suite into ``out``; returns the Markdown table."""
+                       extra: dict | None = None, timing: dict | None = None, timing_note: str = "") -> str:
+    """results.md / .csv / .json and curves.png of a compare suite into ``out``; returns the Markdown table
+    followed by its notes. ``timing`` (:func:`~mhmoe.research.throughput.timed_throughput`) fills the tok/s
+    column, ``timing_note`` says what it measured."""
     out = Path(out)
-    table = markdown_table(runs)
+    timed = timing["tokens_per_s"] if timing else None
+    table = markdown_table(runs, timed)
     n_seeds = max(r["seed"] for r in runs) + 1
     note = f"Seeds: {n_seeds}" + (" (mean ± std over seeds)." if n_seeds > 1 else ".")
+    note += " " + (timing_note if timed else RUN_AVERAGE_NOTE)
     atomic_write(out / RESULTS_MD, f"# {title}\n\n{table}\n\n{note}\n")
+    extra = {**(extra or {}), **({"timed_throughput": {**timing, "note": timing_note}} if timing else {})}
     write_runs_csv(runs, out / RESULTS_CSV, title)
     write_json(runs, out / RESULTS_JSON, title, extra)
     plot_suite_curves(runs, out / CURVES_PNG, title)
-    return table
+    return f"{table}\n\n{note}"
 
 
 def run_dirs_of(path: Path) -> list[Path]:
@@ -137,7 +150,6 @@ def collect_curves(paths: list[Path], labels: list[str] | None = None) -> list[C
             groups.setdefault(c.label, []).append(c)
         named = [mean_curves(label, cs) for label, cs in groups.items()]
         if labels:
-            named = [Curves(labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}", c.train, c.val)
-                     for c in named]
+            named = [replace(c, label=labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}") for c in named]
         out += named
     return out

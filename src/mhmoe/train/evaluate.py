@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -14,11 +15,13 @@ from mhmoe.model.lm import LM
 
 @torch.no_grad()
 def evaluate(model: LM, val: dict[str, np.ndarray], *, batch_size: int, seq_len: int, max_batches: int | None,
-             device: torch.device | str = "cpu", dtype: str = "float32") -> dict[str, dict[str, float]]:
+             device: torch.device | str = "cpu", dtype: str = "float32",
+             on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Token-weighted mean cross-entropy and perplexity per validation set.
 
     Returns ``{name: {"loss": nats/token, "ppl": exp(loss), "tokens": n}}``. Windows are
-    non-overlapping and deterministic (:func:`mhmoe.data.iter_eval_batches`).
+    non-overlapping and deterministic (:func:`mhmoe.data.iter_eval_batches`). ``on_batch`` is called
+    after each batch (a progress bar).
     """
     device = torch.device(device)
     was_training = model.training
@@ -32,6 +35,8 @@ def evaluate(model: LM, val: dict[str, np.ndarray], *, batch_size: int, seq_len:
                 res = model(x, y)
             total += float(res.loss) * y.numel()
             n += y.numel()
+            if on_batch is not None:
+                on_batch()
         if n:
             loss = total / n
             out[name] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n}

@@ -65,16 +65,17 @@ def _describe(rec: dict) -> str:
 
 
 class RunDirLock:
-    """``with RunDirLock(run_dir): ...`` holds the exclusive lock of ``run_dir`` (created if missing; a
-    directory this lock created and that is still empty is removed again on release, so a run that
-    fails during start-up leaves nothing behind). ``enabled=False`` (torchrun ranks > 0) does nothing."""
+    """``with RunDirLock(run_dir): ...`` holds the exclusive lock of ``run_dir`` (created if missing, with
+    its missing parents; the directories this lock created that are still empty are removed again on
+    release, so a run that fails during start-up leaves nothing behind, not even an empty ``runs/``).
+    ``enabled=False`` (torchrun ranks > 0) does nothing."""
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, warn: bool = True) -> None:
         self.run_dir, self.enabled, self.warn = Path(run_dir), enabled, warn
         self.path = self.run_dir / LOCK_FILE
         self.lock: FileLock | None = None
         self.fd: int | None = None
-        self.created_dir = False
+        self.created: list[Path] = []  # directories this lock created, deepest first
         self.taken_over: dict = {}  # the record of a holder that died without releasing (if any)
         self._before: tuple[int | None, dict] = (None, {})
 
@@ -83,11 +84,15 @@ class RunDirLock:
             return self
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError("--out", str(self.run_dir), "a directory (this path is a file)")
-        self.created_dir = not self.run_dir.exists()
+        missing, p = [], self.run_dir
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError("--out", str(self.run_dir), f"a directory that can be created ({exc.strerror})") from None
+        self.created = missing
         try:
             self._acquire()
         except BaseException:
@@ -151,9 +156,9 @@ class RunDirLock:
         self._remove_created_dir()
 
     def _remove_created_dir(self) -> None:
-        if self.created_dir:
-            self.created_dir = False
+        created, self.created = self.created, []
+        for d in created:  # deepest first; rmdir removes only an empty directory
             try:
-                self.run_dir.rmdir()  # only if empty: nothing but the (removed) lock file was written
+                d.rmdir()  # nothing but the (removed) lock file was written into it
             except OSError:
-                pass
+                break

@@ -48,11 +48,12 @@ from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.lock import RunDirLock
-from mhmoe.train.metrics import MetricsWriter, progress_bar, routing_summary, sum_routing
+from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.objectives import Objective, build_objective
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
+from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
@@ -134,6 +135,22 @@ def check_single_process(run: RunConfig) -> None:
         raise ConfigError("train.ep", run.train.ep, "1 without torchrun (expert parallelism needs several processes)")
 
 
+def compiled(module: torch.nn.Module, enabled: bool, cuda_graphs: bool, device: torch.device):
+    """The model as the training step calls it: as is, ``torch.compile``d, or compiled with CUDA-graph capture
+    (mode "reduce-overhead": the forward and backward replay as graphs; CUDA only)."""
+    if not enabled:
+        return module
+    if cuda_graphs and device.type != "cuda":
+        raise ConfigError("train.cuda_graphs", True, f"false on {device.type} (CUDA graphs need a CUDA device)")
+    return torch.compile(module, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def _owned(stats: list[RoutingStats]) -> list[RoutingStats]:
+    """Copies of a forward's routing statistics: outputs of a CUDA-graph replay are overwritten by the next one."""
+    return [RoutingStats(s.counts.clone(), s.tokens.clone(), s.dropped.clone(), {k: v.clone() for k, v in
+                                                                                  s.losses.items()}) for s in stats]
+
+
 def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
     """The checkpoint's run config, with the launch properties (``launch_fields`` of ``train``,
     :data:`LAUNCH_DATA_FIELDS` of ``data``) of this command."""
@@ -167,10 +184,14 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.train_config))
         self.state = self._restore()
         self.start = self.state.step
-        self.forward = torch.compile(self.module) if self.train_config.compile else self.module
+        self.forward = compiled(self.module, self.train_config.compile, self.train_config.cuda_graphs,
+                                self.parallelism.device)
         self.metrics = MetricsWriter(run_dir, self.start if self.ckpt else None) if par.is_rank0 else None
         self.result = TrainResult(run_dir, self.start, params=par.num_params(self.model), rank=par.rank)
-        self.bar = progress_bar(self.train_config.max_steps, self.start, progress and par.is_rank0)
+        self.progress = progress and par.is_rank0
+        self._print_header()
+        self.bar = StepBar(self.train_config.max_steps, self.start, self.train_config.tokens_per_step * par.world_size,
+                           par.device, self.progress, desc=self.run_config.name)
         self.nan_run = 0
         self.nan_at_start = self.state.nan_total
         self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
@@ -197,8 +218,8 @@ class Trainer:
         if self.parallelism.is_rank0:
             taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
             taken.append("data.cache_dir")
-            print(f"mhmoe: resuming {self.run_dir} from step {ckpt.step} with the run's own config (only "
-                  f"{', '.join(taken)} are taken from this command)", file=sys.stderr)
+            print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
+                  f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
 
     def _prepare_objective(self, progress: bool) -> Objective:
@@ -216,6 +237,16 @@ class Trainer:
             model = {**self.run_config.model.to_dict(), "vocab_size": objective.vocab_size}
             self.run_config = RunConfig.from_dict({**self.run_config.to_dict(), "model": model})
         return objective
+
+    def _print_header(self) -> None:
+        """The resolved run, before the first step (rank 0, stderr; :func:`mhmoe.train.progress.run_header`)."""
+        par = self.parallelism
+        if not par.is_rank0:
+            return
+        flops = model_flops_per_token(self.run_config.model, self.train_config.seq_len).total
+        lines = run_header(self.run_config, self.run_dir, self.result.params, flops, self.objective.summary(),
+                           par.device, par.world_size, self.start)
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -242,14 +273,17 @@ class Trainer:
         n = self.train_config.grad_accum
         lm = torch.zeros((), device=self.parallelism.device)
         aux, routing = torch.zeros_like(lm), None
+        graphs = self.train_config.compile and self.train_config.cuda_graphs
         for micro in range(n):
             batch = self.objective.micro_batch(step, micro, self.parallelism.device)  # page-locked on CUDA: no wait
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # one forward + backward per replay
             with self.parallelism.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.parallelism.device, self.train_config.dtype):
                     out = self.objective.forward(self.forward, batch)
                 ((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
-            routing = sum_routing(routing, out.routing)
+            routing = sum_routing(routing, _owned(out.routing) if graphs else out.routing)
         max_norm = self.train_config.grad_clip or math.inf
         gnorm = self.parallelism.finish_grads(self.model, max_norm, torch.isfinite(lm + aux))
         finite = torch.isfinite(gnorm)
@@ -285,8 +319,8 @@ class Trainer:
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
-        """Append one record to metrics.jsonl (losses averaged over ranks) and update the progress bar;
-        a skipped (non-finite) step is not logged."""
+        """Append one record to metrics.jsonl (losses averaged over ranks); a skipped (non-finite) step is
+        not logged. Due at step 1, every ``log_every`` steps and at the last step."""
         if not bool(res.finite):
             return
         lm, aux = self.parallelism.mean([float(res.lm_loss), float(res.aux_loss)])
@@ -298,14 +332,17 @@ class Trainer:
                **routing_summary(res.routing, self.train_config.grad_accum)}
         if self.metrics is not None:
             self.metrics.log(rec)
-        self.bar.set_postfix(loss=f"{lm:.3f}", tok_s=f"{tps:,.0f}")
 
     def evaluate(self, step: int) -> dict[str, dict[str, float]]:
         """Validation perplexity on every set. Every rank evaluates the same windows (EP and FSDP
         forwards are collectives); rank 0 logs to eval.jsonl."""
         cfg = self.train_config
-        res = self.objective.evaluate(self.model, max_batches=cfg.eval_batches, device=self.parallelism.device,
-                                      dtype=cfg.dtype)
+        t0 = time.perf_counter()
+        with eval_progress(self.objective.eval_size(cfg.eval_batches), f"eval step {step}", self.progress) as tick:
+            res = self.objective.evaluate(self.model, max_batches=cfg.eval_batches, device=self.parallelism.device,
+                                          dtype=cfg.dtype, on_batch=tick)
+        if self.parallelism.is_rank0:
+            self.bar.write(format_eval(step, cfg.max_steps, res, time.perf_counter() - t0))
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
                               **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
@@ -342,14 +379,15 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg, st = self.train_config, self.state
+        self.bar.start()
         while st.step < cfg.max_steps:
             t0 = time.perf_counter()
             res = self.train_step(st.step)
             self.pending.append(res)
             st.step += 1
             st.train_s += time.perf_counter() - t0
-            self.bar.update(1)
-            due = {"log": st.step % cfg.log_every == 0 or st.step == cfg.max_steps,
+            self.bar.step(res.lm_loss)
+            due = {"log": st.step % cfg.log_every == 0 or st.step in (1, cfg.max_steps),  # step 1: a curve's start
                    "eval": bool(cfg.eval_every) and st.step % cfg.eval_every == 0 and st.step < cfg.max_steps,
                    "ckpt": bool(cfg.ckpt_every) and st.step % cfg.ckpt_every == 0 and st.step < cfg.max_steps,
                    "stop": self.stop_after is not None and st.step >= self.stop_after}

@@ -1,10 +1,9 @@
-"""Run logging: ``metrics.jsonl`` / ``eval.jsonl`` (+ TensorBoard when installed), the per-step routing
-summary written into them, and the progress bar."""
+"""Run logging: ``metrics.jsonl`` / ``eval.jsonl`` (+ TensorBoard when installed) and the per-step routing
+summary written into them (the progress bars: :mod:`mhmoe.train.progress`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +81,3 @@ def logged_step(line: str) -> int | None:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError, TypeError, RecursionError):
         return None
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar over optimizer steps on stderr (disabled: a no-op bar)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
-                file=sys.stderr, leave=False)

@@ -9,7 +9,9 @@ The trainer (:mod:`mhmoe.train.loop`) sees an objective only through :class:`Obj
   function of the seed, the step, the micro-step and the rank (bit-exact resume);
 - ``objective.forward(module, batch)`` runs the model's training forward and returns its output, which has
   ``loss`` and ``aux_loss`` (0-dim tensors) and ``routing`` (one RoutingStats per MoE layer);
-- ``objective.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}``.
+- ``objective.evaluate(model, ...)`` returns ``{set: {"loss", "ppl", "tokens"}}`` (calling ``on_batch``
+  after each of its ``objective.eval_size(max_batches)`` batches, for a progress bar);
+- ``objective.summary()`` is one line on the data (tokens per split), printed before training.
 
 Two objectives:
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import fields
 from itertools import zip_longest
 from typing import Any, Protocol
@@ -36,7 +39,7 @@ from torch import Tensor, nn
 
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
-from mhmoe.data import BatchSampler, PreparedData, prepare_data
+from mhmoe.data import BatchSampler, PreparedData, count_eval_batches, prepare_data
 from mhmoe.data.bpe import load_or_train_bpe
 from mhmoe.data.corpora import load_corpus
 from mhmoe.data.multimodal import (
@@ -69,7 +72,11 @@ class Objective(Protocol):
     def forward(self, module: nn.Module, batch: Any) -> Any: ...
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]: ...
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]: ...
+
+    def eval_size(self, max_batches: int | None) -> int: ...
+
+    def summary(self) -> str: ...
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -101,9 +108,22 @@ class LMObjective:
         return module(x, y)
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]:
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
         return evaluate(model, self.data.val, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
-                        max_batches=max_batches, device=device, dtype=dtype)
+                        max_batches=max_batches, device=device, dtype=dtype, on_batch=on_batch)
+
+    def eval_size(self, max_batches: int | None) -> int:
+        """Evaluation batches over all validation sets."""
+        return sum(count_eval_batches(len(v), batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
+                                      max_batches=max_batches) for v in self.data.val.values())
+
+    def summary(self) -> str:
+        """``kjv: 1,234,567 train tokens (bpe, vocab 8,192); val kjv 65,536, pydocs 65,536``."""
+        m, tok = self.data.manifest, self.tokenizer
+        val = ", ".join(f"{k} {len(v):,}" for k, v in self.data.val.items())
+        skipped = m.get("skipped_val_sets") or []
+        return (f"{m.get('corpus', '?')}: {len(self.data.train):,} train tokens ({tok.name}, vocab "
+                f"{tok.vocab_size:,}); val {val} tokens" + (f"; skipped {', '.join(skipped)}" if skipped else ""))
 
 
 class MaskedMultimodalObjective:
@@ -139,9 +159,19 @@ class MaskedMultimodalObjective:
     def forward(self, module: nn.Module, b: MultimodalBatch) -> Any:
         return module(b.input_ids, b.modality, b.patch_pos, b.attention_mask, b.targets, b.loss_mask)
 
+    def eval_size(self, max_batches: int | None) -> int:
+        return len(self.val_batches(max_batches))
+
+    def summary(self) -> str:
+        d = self.manifest
+        images = ", ".join(f"{k} {v:,}" for k, v in d["images"].items())
+        text = ", ".join(f"{k} {v:,}" for k, v in d["text_tokens"].items())
+        return (f"{d['image_set']} images ({images}; {d['grid'][0]}x{d['grid'][1]} patches, codebook "
+                f"{d['codebook_size']}) + text tokens ({text}); {d['n_val_examples']:,} fixed validation examples")
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
-                 dtype: str) -> dict[str, dict[str, float]]:
+                 dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
         """Masked-prediction perplexity on the fixed validation examples (fixed masks): overall and per
         modality, token-weighted over every masked position (``max_batches`` caps the batches of
         :meth:`val_batches`; None = all)."""
@@ -159,6 +189,8 @@ class MaskedMultimodalObjective:
             for g, (total, n) in masked_perplexity_groups(b, token_loss).items():
                 sums[g][0] += total
                 sums[g][1] += n
+            if on_batch is not None:
+                on_batch()
         model.train(was_training)
         out_sets = {}
         for g, (total, n) in sums.items():
@@ -202,10 +234,15 @@ def build_objective(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank:
 
 
 def evaluate_checkpoint(ck: Any, max_batches: int | None, device: torch.device | str,
-                        dtype: str | None = None) -> dict[str, dict[str, float]]:
+                        dtype: str | None = None, progress: bool = False) -> dict[str, dict[str, float]]:
     """Validation results of a loaded :class:`~mhmoe.train.checkpoint.Checkpoint` on its own
     objective's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
-    where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says."""
+    where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says.
+    ``progress``: a bar over the evaluation batches (stderr)."""
+    from mhmoe.train.progress import eval_progress
+
     run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
-    objective = build_objective(run, tokenizer=ck.tokenizer)
-    return objective.evaluate(ck.model, max_batches=max_batches, device=device, dtype=dtype or ck.run.train.dtype)
+    objective = build_objective(run, tokenizer=ck.tokenizer, progress=progress)
+    with eval_progress(objective.eval_size(max_batches), f"eval step {ck.step}", progress) as tick:
+        return objective.evaluate(ck.model, max_batches=max_batches, device=device,
+                                  dtype=dtype or ck.run.train.dtype, on_batch=tick)

@@ -1,11 +1,14 @@
 """Training curves as PNG files (matplotlib, Agg backend): ``RUN/curves.png`` for one run, and one
 figure for several runs (``mhmoe compare``, ``mhmoe reproduce``, ``mhmoe plot``).
 
-A figure has two panels over optimizer steps: the training loss of ``metrics.jsonl`` (lines) and the
-validation perplexity of ``eval.jsonl`` (lines with a marker at each evaluation, log scale). One run:
-every validation set gets a line. Several runs: one line per run (or per model, averaged over its
-seeds) on the validation set they share, the training corpus's own first. Files are written to a
-temporary name and renamed, so a viewer never sees a half-written PNG.
+A figure has two panels over optimizer steps: the training loss of ``metrics.jsonl`` and the validation
+perplexity of ``eval.jsonl``. One run: every validation set gets a line. Several runs: one line per run
+(or per model, averaged over its seeds, with a band of ± one standard deviation over them) on the
+validation set they share, the training corpus's own first. When every run was evaluated once (at the
+end), the perplexity panel is a dot plot of the final values (with the seed spread as error bars).
+Lines get markers when they have few points; a long run's noisy loss is drawn faintly under its moving
+average; axes and ticks follow :mod:`mhmoe.train.plot_style`. Files are written to a temporary name and
+renamed, so a viewer never sees a half-written PNG.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mhmoe.errors import one_line
-from mhmoe.runtime.files import atomic_write
+from mhmoe.train.plot_style import colors, draw_series, figure, final_values, save_figure, step_axis, value_axis
 
 CURVES_FILE = "curves.png"
 
@@ -26,11 +29,15 @@ CURVES_FILE = "curves.png"
 @dataclass
 class Curves:
     """One run's (or one model's, seed-averaged) curves: ``train`` = [(step, loss)], ``val`` = {set: [(step,
-    perplexity)]} in the order the sets appear in ``eval.jsonl``."""
+    perplexity)]} in the order the sets appear in ``eval.jsonl``. ``seeds`` > 1: the points are means over
+    that many runs, and ``train_std`` / ``val_std`` hold the standard deviation over them at each step."""
 
     label: str
     train: list[tuple[int, float]] = field(default_factory=list)
     val: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    seeds: int = 1
+    train_std: dict[int, float] = field(default_factory=dict)
+    val_std: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -62,18 +69,24 @@ def read_curves(run_dir: str | os.PathLike[str], label: str | None = None) -> Cu
     return curves
 
 
+def _mean_std(series: list[list[tuple[int, float]]]) -> tuple[list[tuple[int, float]], dict[int, float]]:
+    """Mean and sample standard deviation over ``series`` at the steps they all have."""
+    maps = [dict(s) for s in series]
+    steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
+    mean = [(s, statistics.fmean(m[s] for m in maps)) for s in steps]
+    std = {s: statistics.stdev(m[s] for m in maps) for s in steps} if len(maps) > 1 else {}
+    return mean, std
+
+
 def mean_curves(label: str, runs: list[Curves]) -> Curves:
-    """Average several runs (seeds) of one model at the steps they all logged."""
+    """Average several runs (seeds) of one model at the steps they all logged, with their spread."""
     if len(runs) == 1:
-        return Curves(label, runs[0].train, runs[0].val)
-
-    def mean(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
-        maps = [dict(s) for s in series]
-        steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
-        return [(s, statistics.fmean(m[s] for m in maps)) for s in steps]
-
-    sets = [k for k in runs[0].val if all(k in r.val for r in runs)]
-    return Curves(label, mean([r.train for r in runs]), {k: mean([r.val[k] for r in runs]) for k in sets})
+        return replace(runs[0], label=label)
+    train, train_std = _mean_std([r.train for r in runs])
+    out = Curves(label, train, seeds=len(runs), train_std=train_std)
+    for k in (k for k in runs[0].val if all(k in r.val for r in runs)):
+        out.val[k], out.val_std[k] = _mean_std([r.val[k] for r in runs])
+    return out
 
 
 def shared_val_set(curves: list[Curves]) -> str | None:
@@ -84,45 +97,51 @@ def shared_val_set(curves: list[Curves]) -> str | None:
 
 
 def plot_curves(curves: list[Curves], path: str | os.PathLike[str], title: str = "") -> Path:
-    """Draw ``curves`` into ``path`` (PNG); returns the path. See the module docstring for the panels."""
-    import matplotlib
+    """Draw ``curves`` into ``path`` (PNG); returns the path. See :func:`curves_figure` for the panels."""
+    return save_figure(curves_figure(curves, title), path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
-    for c in curves:
+def curves_figure(curves: list[Curves], title: str = ""):
+    """The two-panel figure of ``curves`` (module docstring; :mod:`mhmoe.train.plot_style` for the axes)."""
+    fig, (ax_t, ax_v) = figure((11, 4), ncols=2)
+    palette = colors()
+    for i, c in enumerate(curves):
         if c.train:
-            ax_t.plot(*zip(*c.train, strict=True), label=c.label, linewidth=1.2)
+            draw_series(ax_t, c.train, c.train_std, c.label, palette[i % len(palette)])
+    step_axis(ax_t, [s for c in curves for s, _ in c.train])
+    seeds = seed_note(curves)
+    ax_t.set(ylabel="training loss (nats/token)", title="training loss" + seeds)
     if len(curves) == 1:
-        series = [(name, pts) for name, pts in curves[0].val.items()]
+        series = [(name, pts, curves[0].val_std.get(name, {}), curves[0].seeds) for name, pts in curves[0].val.items()]
         val_title = "validation perplexity"
     else:
         key = shared_val_set(curves)
-        series = [(c.label, c.val[key]) for c in curves] if key else []
+        series = [(c.label, c.val[key], c.val_std.get(key, {}), c.seeds) for c in curves] if key else []
         val_title = f"validation perplexity ({key})" if key else "validation perplexity (no shared set)"
-    for name, pts in series:
-        if pts:
-            ax_v.plot(*zip(*pts, strict=True), marker="o", markersize=4, label=name)
-    ax_t.set(xlabel="step", ylabel="training loss (nats/token)", title="training loss")
-    ax_v.set(xlabel="step", ylabel="perplexity", title=val_title)
-    if any(pts for _, pts in series):
-        ax_v.set_yscale("log")
+    series = [s for s in series if s[1]]
+    if series and all(len(pts) == 1 for _, pts, _, _ in series):
+        final_values(ax_v, [(name, pts[0], std) for name, pts, std, _ in series], val_title, palette)
+        ax_v.set_xlabel("perplexity" + seeds)
+    else:
+        for i, (name, pts, std, _) in enumerate(series):
+            draw_series(ax_v, pts, std, name, palette[i % len(palette)], markers_up_to=60)
+        step_axis(ax_v, [s for _, pts, _, _ in series for s, _ in pts])
+        value_axis(ax_v, [v for _, pts, _, _ in series for _, v in pts], "y")
+        ax_v.set(ylabel="perplexity", title=val_title + seeds)
     for ax in (ax_t, ax_v):
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if ax.get_lines():
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(path)
-    try:
-        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        plt.close(fig)
-    return out
+    return fig
+
+
+def seed_note(curves: list[Curves]) -> str:
+    """`` (mean ± std over 3 seeds)`` when some curve averages seeds, else ``""``."""
+    n = sorted({c.seeds for c in curves if c.seeds > 1})
+    return f" (mean ± std over {'/'.join(map(str, n))} seeds)" if n else ""
 
 
 def plot_run(run_dir: str | os.PathLike[str], title: str | None = None) -> Path:

@@ -23,10 +23,15 @@ Execution paths over the same :class:`~mhmoe.moe.routers.RouterOutput` (``MoECon
   grouped GEMM + SwiGLU, the second grouped GEMM fused with the weighted scatter to slot order, matching
   backward kernels; no host synchronisation, no atomics (needs ``pip install 'mhmoe[triton]'``).
 - ``loop`` (:func:`mhmoe.moe.reference.loop_moe`): the per-expert masked loop, the oracle.
-- ``auto``: :func:`choose_impl` picks by device from the measurements in docs/PERFORMANCE.md:
-  ``grouped_mm`` on CUDA (``triton`` is opt-in until the GPU benchmark shows it ahead), ``fused`` on
-  CPU (``sorted`` for thin, wide experts -- :func:`thin_wide` -- and for those ``fused`` does not cover:
-  biases, quantization).
+- ``auto``: :func:`choose_impl` picks by device, compute dtype and alignment (:func:`auto_impl`, a pure
+  function of those) a path without host synchronisation where one exists: on CUDA ``grouped_mm`` only
+  where ``torch._grouped_mm`` takes its CUTLASS fast path -- bf16 on a Hopper/Blackwell GPU (compute
+  capability 9.x/10.x) with 16-byte aligned row strides (D_in and F multiples of 8); everywhere else
+  (fp32, pre-Hopper GPUs, unaligned widths) its fallback copies the offsets to the host and loops over
+  the experts, so ``auto`` runs ``triton`` instead, or ``padded`` (one host sync, batched GEMMs) where
+  Triton cannot run (not installed, fp16, biased or quantized experts). On CPU ``fused`` (``sorted``
+  for thin, wide experts -- :func:`thin_wide` -- and for those ``fused`` does not cover: biases,
+  quantization).
   ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
   the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.runtime.cpu_malloc`) it was slower than
   ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
@@ -40,13 +45,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from mhmoe.moe.dispatch.fused import chunked_moe, fused_moe
-from mhmoe.moe.dispatch.grouped import grouped_mm_supported, grouped_moe
+from mhmoe.moe.dispatch.grouped import grouped_moe
 from mhmoe.moe.dispatch.padded import padded_moe
+from mhmoe.moe.dispatch.precision import compute_dtype
 from mhmoe.moe.dispatch.sorted import sorted_moe
-from mhmoe.moe.dispatch.triton import triton_moe
+from mhmoe.moe.dispatch.triton import triton_moe, triton_supported
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.reference import loop_moe
 from mhmoe.moe.routers import RouterOutput
@@ -65,27 +72,54 @@ def thin_wide(experts: GroupedExperts) -> bool:
     return experts.d_in < THIN_WIDTH and experts.d_hidden >= WIDE_HIDDEN
 
 
-def choose_impl(impl: str, x: Tensor, experts: GroupedExperts) -> DispatchFn:
-    """The dispatch function for ``impl`` (``auto`` resolves by device and experts).
+GROUPED_MM_FAST_MAJORS = (9, 10)  # torch._grouped_mm's CUTLASS kernels: sm90 (Hopper), sm100 (Blackwell)
+IMPL_FNS: dict[str, DispatchFn] = {"loop": loop_moe, "grouped_mm": grouped_moe, "padded": padded_moe,
+                                   "fused": fused_moe, "chunked": chunked_moe, "sorted": sorted_moe,
+                                   "triton": triton_moe}
 
-    ``fused``/``chunked`` have a hand-written backward without biases, activation quantization or
+
+def auto_impl(device: str, dtype: torch.dtype, aligned: bool, *, capability: tuple[int, int] | None = None,
+              triton: bool = False, fused_ok: bool = True, thin: bool = False) -> str:
+    """The path ``impl="auto"`` runs, from the facts that decide it (a pure function, unit-tested over
+    every combination).
+
+    device: "cuda" | "cpu" (anything else is treated like the CPU); dtype: the compute dtype (autocast's
+    when on); aligned: every GEMM operand's row stride is a multiple of 16 bytes in that dtype;
+    capability: the CUDA device's (major, minor); triton: :func:`~mhmoe.moe.dispatch.triton.triton_supported`
+    for these experts and inputs; fused_ok: bias-free, unquantized experts; thin: :func:`thin_wide`.
+    """
+    if device == "cuda":
+        fast_grouped = (dtype == torch.bfloat16 and aligned and capability is not None
+                        and capability[0] in GROUPED_MM_FAST_MAJORS)
+        if fast_grouped:
+            return "grouped_mm"  # CUTLASS grouped GEMM, device-side offsets: no host sync
+        return "triton" if triton else "padded"
+    return "fused" if fused_ok and not thin else "sorted"
+
+
+def gemm_aligned(dtype: torch.dtype, experts: GroupedExperts) -> bool:
+    """Row strides of every expert GEMM operand ([N, D_in], [N, F], weights) are 16-byte multiples."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return all((n * item) % 16 == 0 for n in (experts.d_in, experts.d_hidden))
+
+
+def resolve_impl(impl: str, x: Tensor, experts: GroupedExperts) -> str:
+    """The name of the path that runs ``impl`` for x and ``experts`` (``auto`` resolved, fallbacks applied).
+
+    ``fused``/``chunked``/``triton`` have a hand-written backward without biases, activation quantization or
     sub-norms: for biased or quantized experts they fall back to ``sorted`` (same result, docs/BITNET.md).
     """
     fused_ok = not experts.quantized and experts.b1 is None
-    if impl == "loop":
-        return loop_moe
-    if impl == "grouped_mm":
-        return grouped_moe
-    if impl == "padded":
-        return padded_moe
-    if impl in ("fused", "chunked"):
-        if not fused_ok:
-            return sorted_moe
-        return fused_moe if impl == "fused" else chunked_moe
-    if impl == "triton":  # biased or quantized experts: sorted; a missing triton is a one-line error
-        return triton_moe if fused_ok else sorted_moe
-    if impl == "auto" and x.is_cuda and grouped_mm_supported(x, experts):
-        return grouped_moe
-    if impl == "auto" and not x.is_cuda and fused_ok and not thin_wide(experts):
-        return fused_moe
-    return sorted_moe
+    if impl in ("fused", "chunked", "triton"):  # a missing triton is a one-line error from triton_moe
+        return impl if fused_ok else "sorted"
+    if impl != "auto":
+        return impl
+    dt = compute_dtype(x)
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+    return auto_impl(x.device.type, dt, gemm_aligned(dt, experts), capability=cap,
+                     triton=x.is_cuda and triton_supported(x, experts), fused_ok=fused_ok, thin=thin_wide(experts))
+
+
+def choose_impl(impl: str, x: Tensor, experts: GroupedExperts) -> DispatchFn:
+    """The dispatch function for ``impl`` (``auto`` resolves by device, dtype and alignment: :func:`resolve_impl`)."""
+    return IMPL_FNS[resolve_impl(impl, x, experts)]

@@ -1,28 +1,24 @@
-"""Triton kernels of the dropless grouped MoE path and their launch wrappers (tensors in, tensors out).
+"""The Triton kernels of the dropless grouped MoE path (``@triton.jit`` functions only; the launch
+configs, the tile table and the launch wrappers are in :mod:`mhmoe.moe.dispatch.triton.launch`).
 
 Shape legend: S routed (sub-)tokens, K slots per token, SK = S*K slots, E experts, D expert in/out
-width, F expert hidden width, G tiles (an upper bound on the BLOCK_M row tiles of all experts).
+width, F expert hidden width, G tiles (an upper bound on the BM-row tiles of all experts).
 
 Rows: the SK slots sorted (stably) by expert -- sorted row r is slot ``order[r]`` = token
 ``order[r] // K``; expert e owns rows [starts[e], ends[e]); invalid slots sort last and belong to no
 tile. Hidden buffers [SK, F] are indexed by sorted row; [SK, D] buffers by slot; x, dout by token.
-Tile table (:func:`route_plan`): tile t covers rows [tile_row[t], min(tile_row[t] + BLOCK_M,
-ends[tile_expert[t]])) of expert tile_expert[t]; tiles past the real ones have tile_expert = E and
-their programs return at once.
+Tile table: tile t covers rows [tile_row[t], min(tile_row[t] + BM, ends[tile_expert[t]])) of expert
+tile_expert[t]; tiles past the real ones have tile_expert = E and their programs return at once.
 
-The algorithm is described in :mod:`mhmoe.moe.dispatch.triton.ops`. This module needs triton; it is imported on
-first use. Whether the kernels run compiled or under the interpreter is fixed when this module is
-imported (``TRITON_INTERPRET=1`` is read by ``@triton.jit``); :data:`INTERPRETED` says which.
+The algorithm is described in :mod:`mhmoe.moe.dispatch.triton.ops`. This module needs triton. Whether
+the kernels run compiled or under the interpreter is fixed when this module is imported
+(``TRITON_INTERPRET=1`` is read by ``@triton.jit``); :data:`INTERPRETED` says which.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
 # --------------------------------------------------------------------------------------------- kernels
 
@@ -381,220 +377,80 @@ def _wgrad_down_kernel(
     tl.store(gw2_ptr + out, _to(acc, gw2_ptr.dtype.element_ty), mask=fmask[:, None] & dmask[None, :])
 
 
-# ------------------------------------------------------------------------------------- tile configs
-#
-# BLOCK_M (rows per tile of the row-tiled kernels) is fixed, not tuned: the tile table is built for it
-# in torch before the launch. 64 rows keep the padding of small experts low (on average BLOCK_M/2 wasted
-# rows per expert) and map onto one H100 warpgroup MMA (m64). The autotuner picks the other sizes per
-# (D, F, dtype): BN/BK in 64..256 fit thin experts (D = 256..768) and hidden widths F = 512..2048.
-# Under the interpreter: one fixed small config (autotuning interpreted kernels would take minutes).
-
-BLOCK_M = 16 if INTERPRETED else 64
-PART = 32 if INTERPRETED else 64  # hidden units per partial sum of the routing-weight gradient (<= every BN)
-
-
-def _cfgs(rows: list[tuple[int, ...]], names: tuple[str, ...]) -> list[triton.Config]:
-    return [triton.Config(dict(zip(names, r[:-2], strict=True)), num_warps=r[-2], num_stages=r[-1]) for r in rows]
-
-
-# (BN, BK, num_warps, num_stages); "up" kernels: N = F, reduction over D; "down" kernels: N = D, over F
-_UP_CFGS = _cfgs([(64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3),
-                  (64, 32, 4, 4)], ("BN", "BK"))
-_DOWN_CFGS = _cfgs([(64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3),
-                    (128, 64, 8, 4)], ("BN", "BK"))
-# (BM, BN, BK, num_warps, num_stages) for the weight gradients: reduction over an expert's rows
-_WGRAD_CFGS = _cfgs([(64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3),
-                     (128, 128, 64, 8, 3), (64, 64, 64, 4, 4)], ("BM", "BN", "BK"))
-_INTERP = {"up": {"BN": 64, "BK": 32}, "down": {"BN": 64, "BK": 32}, "wgrad": {"BM": 32, "BN": 64, "BK": 32}}
-
-
-def _launcher(kernel, kind: str, configs: list[triton.Config], key: list[str]):
-    """(kernel to index with a grid, fixed constexprs): autotuned on GPU, one small config interpreted."""
-    if INTERPRETED:
-        return kernel, _INTERP[kind]
-    return triton.autotune(configs=configs, key=key)(kernel), {}
-
-
-_UP_FWD = _launcher(_up_fwd_kernel, "up", _UP_CFGS, ["D", "F"])
-_ACT_BWD = _launcher(_act_bwd_kernel, "up", _UP_CFGS, ["D", "F"])
-_DOWN_FWD = _launcher(_down_fwd_kernel, "down", _DOWN_CFGS, ["D", "F"])
-_DX = _launcher(_dx_kernel, "down", _DOWN_CFGS, ["D", "F"])
-_WGRAD_UP = _launcher(_wgrad_up_kernel, "wgrad", _WGRAD_CFGS, ["D", "F"])
-_WGRAD_DOWN = _launcher(_wgrad_down_kernel, "wgrad", _WGRAD_CFGS, ["D", "F"])
-_UP_BN = [_INTERP["up"]["BN"]] if INTERPRETED else [c.kwargs["BN"] for c in _UP_CFGS]
-assert all(bn % PART == 0 and max(_UP_BN) % bn == 0 for bn in _UP_BN)
-
-
-def _n_parts(F: int) -> int:
-    """Rows of the routing-weight partials: PART-wide chunks of F rounded up to the widest BN."""
-    return triton.cdiv(F, max(_UP_BN)) * (max(_UP_BN) // PART)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: fp32 inputs use TF32 only where torch's matmul would (allow_tf32)."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-# ------------------------------------------------------------------------------------- routing glue
-
-
-class Plan(NamedTuple):
-    """Device-side routing tables (no host sync to build them). order [SK] int32 (slot of every sorted
-    row), starts/ends [E] int32 (row range of every expert), tile_expert/tile_row [G] int32."""
-
-    order: Tensor
-    starts: Tensor
-    ends: Tensor
-    tile_expert: Tensor
-    tile_row: Tensor
-    n_tokens: int
-    top_k: int
-    n_experts: int
-
-
-def n_tiles(n_slots: int, n_experts: int, block_m: int) -> int:
-    """Upper bound on the row tiles of all experts: sum_e ceil(c_e / M) <= floor(SK / M) + min(E, SK)."""
-    return n_slots // block_m + min(n_experts, n_slots)
-
-
-def route_plan(experts: Tensor, valid: Tensor, n_experts: int, block_m: int | None = None) -> Plan:
-    """Sort the [S, K] slots by expert (invalid slots last) and build the tile table, all on the device.
-
-    ``torch.sort`` gives the expert of every sorted row; ``searchsorted`` on it gives each expert's row
-    range (unlike ``bincount``, whose output size is data-dependent on CUDA, it never synchronises).
-    """
-    block_m = BLOCK_M if block_m is None else block_m
-    S, K = experts.shape
-    E, SK, dev = n_experts, experts.numel(), experts.device
-    key = torch.where(valid, experts, E).reshape(-1)
-    sorted_key, order = torch.sort(key, stable=True)
-    ends = torch.searchsorted(sorted_key, torch.arange(E, device=dev, dtype=sorted_key.dtype), right=True)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    t = torch.arange(n_tiles(SK, E, block_m), device=dev)
-    tile_expert = torch.searchsorted(tile_end, t, right=True)  # E for the surplus tiles
-    te = tile_expert.clamp_max(E - 1)
-    tile_row = starts[te] + (t - (tile_end - tiles)[te]) * block_m
-    i32 = torch.int32
-    return Plan(order.to(i32), starts.to(i32), ends.to(i32), tile_expert.to(i32), tile_row.to(i32), S, K, E)
-
-
-# --------------------------------------------------------------------------------------- launchers
-
-
-def _ksum(src: Tensor, valid: Tensor, S: int, K: int) -> Tensor:
-    """[S, D]: sum over the valid slots of each token of src [SK, D] (slot order)."""
-    D = src.shape[1]
-    out = src.new_empty(S, D)
-    BS, BD = 16, min(128, max(16, triton.next_power_of_2(D)))
-    _ksum_kernel[(triton.cdiv(S, BS), triton.cdiv(D, BD))](src, valid, out, S, D, K, BS=BS, BD=BD)
-    return out
-
-
-def _valid_u8(valid: Tensor) -> Tensor:
-    return valid.reshape(-1).contiguous().view(torch.uint8)
-
-
-def up_forward(x: Tensor, w1: Tensor, w3: Tensor | None, plan: Plan,
-               store_pre: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(h1, h3, act), each [SK, F] by sorted row or None: the pre-activations when ``store_pre``
-    (training; h3 only for SwiGLU), else the activation (inference)."""
-    SK, E = plan.order.numel(), plan.n_experts
-    D, F = w1.shape[1], w1.shape[2]
-    gated = w3 is not None
-    if gated:
-        assert w3.stride() == w1.stride()
-    h1 = x.new_empty(SK, F) if store_pre else None
-    h3 = x.new_empty(SK, F) if store_pre and gated else None
-    act = None if store_pre else x.new_empty(SK, F)
-    any_out = h1 if store_pre else act
-    kernel, fixed = _UP_FWD
-    grid = lambda meta: (plan.tile_expert.numel(), triton.cdiv(F, meta["BN"]))  # noqa: E731
-    kernel[grid](x, x.stride(0), x.stride(1), w1, w3 if gated else w1, *w1.stride(),
-                 plan.order, plan.tile_expert, plan.tile_row, plan.ends,
-                 any_out if h1 is None else h1, any_out if h3 is None else h3, any_out if act is None else act,
-                 D, F, plan.top_k, E, BM=BLOCK_M, GATED=gated, STORE_PRE=store_pre, STORE_ACT=not store_pre,
-                 PREC=_precision(x.dtype), **fixed)
-    return h1, h3, act
-
-
-def down_forward(hid: Tensor, h3: Tensor | None, w2: Tensor, weights: Tensor, valid: Tensor, plan: Plan,
-                 act: str) -> Tensor:
-    """out [S, D] = sum over valid slots of w * act W2[e]. ``act``: "swiglu" (hid = h1, plus h3),
-    "relu" (hid = h1) or "none" (hid = the activation). K = 1 writes the output directly."""
-    SK, S, K, E = plan.order.numel(), plan.n_tokens, plan.top_k, plan.n_experts
-    F, D = w2.shape[1], w2.shape[2]
-    # K = 1: slot == token, the kernel writes the output itself (zeros for the tokens it skips)
-    y = hid.new_zeros(S, D) if K == 1 else hid.new_empty(SK, D)
-    kernel, fixed = _DOWN_FWD
-    grid = lambda meta: (plan.tile_expert.numel(), triton.cdiv(D, meta["BN"]))  # noqa: E731
-    kernel[grid](hid, hid if h3 is None else h3, w2, *w2.stride(), weights.reshape(-1).contiguous(),
-                 plan.order, plan.tile_expert, plan.tile_row, plan.ends, y, D, F, E,
-                 BM=BLOCK_M, ACT={"none": 0, "swiglu": 1, "relu": 2}[act], PREC=_precision(hid.dtype), **fixed)
-    return y if K == 1 else _ksum(y, _valid_u8(valid), S, K)
-
-
-def act_backward(dout: Tensor, w2: Tensor, weights: Tensor, h1: Tensor, h3: Tensor | None, plan: Plan,
-                 need_dh: bool, need_dw: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(dh1, dh3, dweights): gradients of the pre-activations [SK, F] by sorted row (when ``need_dh``)
-    and of the routing weights [SK] fp32 by slot (when ``need_dw``; 0 on invalid slots)."""
-    SK, E = plan.order.numel(), plan.n_experts
-    F, D = w2.shape[1], w2.shape[2]
-    gated = h3 is not None
-    dh1 = h1.new_empty(SK, F) if need_dh else None
-    dh3 = h1.new_empty(SK, F) if need_dh and gated else None
-    part = torch.zeros(_n_parts(F) if need_dw else 1, SK, dtype=torch.float32, device=h1.device)
-    kernel, fixed = _ACT_BWD
-    grid = lambda meta: (plan.tile_expert.numel(), triton.cdiv(F, meta["BN"]))  # noqa: E731
-    kernel[grid](dout, dout.stride(0), dout.stride(1), w2, *w2.stride(), weights.reshape(-1).contiguous(),
-                 plan.order, plan.tile_expert, plan.tile_row, plan.ends,
-                 h1, h1 if h3 is None else h3, h1 if dh1 is None else dh1, h1 if dh3 is None else dh3, part,
-                 SK, D, F, plan.top_k, E, BM=BLOCK_M, PART=PART, GATED=gated, NEED_DH=need_dh,
-                 NEED_DW=need_dw, PREC=_precision(h1.dtype), **fixed)
-    return dh1, dh3, part.sum(0) if need_dw else None
-
-
-def dx_backward(dh1: Tensor, dh3: Tensor | None, w1: Tensor, w3: Tensor | None, valid: Tensor,
-                plan: Plan) -> Tensor:
-    """dx [S, D] = sum over valid slots of dh1 W1[e]^T + dh3 W3[e]^T (K = 1: written directly)."""
-    SK, S, K, E = plan.order.numel(), plan.n_tokens, plan.top_k, plan.n_experts
-    D, F = w1.shape[1], w1.shape[2]
-    gated = dh3 is not None
-    if gated:
-        assert w3.stride() == w1.stride()
-    dxs = dh1.new_zeros(S, D) if K == 1 else dh1.new_empty(SK, D)
-    kernel, fixed = _DX
-    grid = lambda meta: (plan.tile_expert.numel(), triton.cdiv(D, meta["BN"]))  # noqa: E731
-    kernel[grid](dh1, dh3 if gated else dh1, w1, w3 if gated else w1, *w1.stride(),
-                 plan.order, plan.tile_expert, plan.tile_row, plan.ends, dxs, D, F, E,
-                 BM=BLOCK_M, GATED=gated, PREC=_precision(dh1.dtype), **fixed)
-    return dxs if K == 1 else _ksum(dxs, _valid_u8(valid), S, K)
-
-
-def wgrad_up(x: Tensor, dh1: Tensor, dh3: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor | None]:
-    """(dW1, dW3) [E, D, F]: per-expert x[tok]^T dh over the expert's rows (zeros for empty experts)."""
-    E, D, F = plan.n_experts, x.shape[1], dh1.shape[1]
-    gated = dh3 is not None
-    gw1 = dh1.new_empty(E, D, F)
-    gw3 = dh1.new_empty(E, D, F) if gated else None
-    kernel, fixed = _WGRAD_UP
-    grid = lambda meta: (triton.cdiv(F, meta["BN"]), triton.cdiv(D, meta["BM"]), E)  # noqa: E731
-    kernel[grid](x, x.stride(0), x.stride(1), dh1, dh3 if gated else dh1, plan.order, plan.starts, plan.ends,
-                 gw1, gw3 if gated else gw1, D, F, plan.top_k, GATED=gated, PREC=_precision(dh1.dtype), **fixed)
-    return gw1, gw3
-
-
-def wgrad_down(h1: Tensor, h3: Tensor | None, dout: Tensor, weights: Tensor, plan: Plan) -> Tensor:
-    """dW2 [E, F, D]: per-expert act^T (w * dout[tok]) over the expert's rows (zeros for empty experts)."""
-    E, F, D = plan.n_experts, h1.shape[1], dout.shape[1]
-    gated = h3 is not None
-    gw2 = h1.new_empty(E, F, D)
-    kernel, fixed = _WGRAD_DOWN
-    grid = lambda meta: (triton.cdiv(D, meta["BN"]), triton.cdiv(F, meta["BM"]), E)  # noqa: E731
-    kernel[grid](h1, h3 if gated else h1, dout, dout.stride(0), dout.stride(1), weights.reshape(-1).contiguous(),
-                 plan.order, plan.starts, plan.ends, gw2, D, F, plan.top_k, GATED=gated,
-                 PREC=_precision(h1.dtype), **fixed)
-    return gw2
+@triton.jit
+def _act_dx_kernel(
+    dout_ptr, sd_s, sd_d,  # dout [S, D] (any strides)
+    w1_ptr, w3_ptr, sw_e, sw_d, sw_f,  # W1, W3 [E, D, F] (same strides)
+    w2_ptr, s2_e, s2_f, s2_d,  # W2 [E, F, D]
+    weights_ptr,  # [SK] by slot
+    order_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr,
+    h1_ptr, h3_ptr,  # [SK, F] saved pre-activations
+    dh1_ptr, dh3_ptr,  # out (STORE_DH): [SK, F] gradients of the pre-activations
+    dw_ptr,  # out (NEED_DW): [SK] fp32 routing-weight gradients by slot
+    dx_ptr,  # out: [SK, D] by slot ([S, D] by token when K = 1)
+    D, F, K, E,
+    BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+    GATED: tl.constexpr, STORE_DH: tl.constexpr, NEED_DW: tl.constexpr, PREC: tl.constexpr,
+):
+    """act_bwd and dx in one pass over the hidden units for one tile of BM rows (D <= DP, a power of two).
+    The tile's dout rows [BM, DP] are loaded once; for every BN-wide slice of the hidden units:
+    G = dout W2[e]^T (one MMA, reduction over D), the SwiGLU / ReLU backward gives dh1, dh3 (stored for the
+    weight gradients when STORE_DH), and dx += [dh1 | dh3] [W1[e]^T ; W3[e]^T] (one MMA over 2 BN, the two
+    operands interleaved) into a [BM, DP] fp32 accumulator -- the hidden gradients are never read back for
+    dx. The routing-weight gradient <act, G> is summed over all hidden units in registers, written once."""
+    pid_t = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid_t)
+    if e >= E:
+        return
+    row0 = tl.load(tile_row_ptr + pid_t)
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < tl.load(ends_ptr + e)
+    slot = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    e64 = e.to(tl.int64)
+    w = tl.load(weights_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
+    dcols = tl.arange(0, DP)
+    dmask = dcols < D
+    dt = h1_ptr.dtype.element_ty
+    a = tl.load(dout_ptr + (slot // K)[:, None] * sd_s + dcols[None, :] * sd_d, mask=rmask[:, None] & dmask[None, :],
+                other=0.0)  # dout rows gathered by token, once
+    dx = tl.zeros((BM, DP), dtype=tl.float32)
+    dw = tl.zeros((BM,), dtype=tl.float32)
+    for f0 in range(0, F, BN):
+        cols = f0 + tl.arange(0, BN)
+        cmask = cols < F
+        b = tl.load(w2_ptr + e64 * s2_e + (cols[None, :] * s2_f + dcols[:, None] * s2_d),
+                    mask=dmask[:, None] & cmask[None, :], other=0.0)  # W2[e]^T slice [DP, BN]
+        acc = _mma(a, b, tl.zeros((BM, BN), dtype=tl.float32), PREC)
+        hid = rows.to(tl.int64)[:, None] * F + cols[None, :]
+        hmask = rmask[:, None] & cmask[None, :]
+        h1 = tl.load(h1_ptr + hid, mask=hmask, other=0.0).to(tl.float32)
+        da = acc * w[:, None]
+        wt = e64 * sw_e + (dcols[None, :] * sw_d + cols[:, None] * sw_f)  # W^T slice [BN, DP]: (f, d)
+        wmask = cmask[:, None] & dmask[None, :]
+        if GATED:
+            h3 = tl.load(h3_ptr + hid, mask=hmask, other=0.0).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-h1))
+            silu = h1 * sig
+            if NEED_DW:
+                dw += tl.sum(silu * h3 * acc, axis=1)
+            g1 = _to(da * h3 * sig * (1.0 + h1 * (1.0 - sig)), dt)
+            g3 = _to(da * silu, dt)
+            if STORE_DH:
+                tl.store(dh1_ptr + hid, g1, mask=hmask)
+                tl.store(dh3_ptr + hid, g3, mask=hmask)
+            ga = tl.reshape(tl.join(g1, g3), (BM, 2 * BN))  # column 2 f + j: dh1 (j = 0), dh3 (j = 1)
+            wb = tl.reshape(tl.permute(tl.join(tl.load(w1_ptr + wt, mask=wmask, other=0.0),
+                                               tl.load(w3_ptr + wt, mask=wmask, other=0.0)), (0, 2, 1)),
+                            (2 * BN, DP))  # row 2 f + j: W1[e]^T (j = 0), W3[e]^T (j = 1)
+            dx = _mma(ga, wb, dx, PREC)
+        else:
+            if NEED_DW:
+                dw += tl.sum(tl.maximum(h1, 0.0) * acc, axis=1)
+            g1 = _to(tl.where(h1 > 0.0, da, 0.0), dt)
+            if STORE_DH:
+                tl.store(dh1_ptr + hid, g1, mask=hmask)
+            dx = _mma(g1, tl.load(w1_ptr + wt, mask=wmask, other=0.0), dx, PREC)
+    if NEED_DW:
+        tl.store(dw_ptr + slot, dw, mask=rmask)
+    tl.store(dx_ptr + slot[:, None] * D + dcols[None, :], _to(dx, dx_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])

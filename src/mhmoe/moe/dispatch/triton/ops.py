@@ -2,13 +2,13 @@
 
 Shape legend: S routed (sub-)tokens (B*T*H for MH-MoE), K slots per token, SK = S*K, E experts,
 D expert in/out width (d_model / H), F expert hidden width, N <= SK valid (token, slot) pairs,
-BLOCK_M rows per tile, G = SK // BLOCK_M + min(E, SK) tiles (upper bound).
+BM rows per tile of a row-tiled kernel, G = SK // BM + min(E, SK) tiles (upper bound).
 
-Routing glue (torch, :func:`~mhmoe.moe.dispatch.triton.kernels.route_plan`, on the device, no host sync): key =
-where(valid, expert, E); a stable sort by key gives ``order`` (the slot of every sorted row; invalid
+Routing glue (torch, :func:`~mhmoe.moe.dispatch.triton.launch.route_plan`, on the device, no host sync):
+key = where(valid, expert, E); a stable sort by key gives ``order`` (the slot of every sorted row; invalid
 slots last); ``searchsorted`` on the sorted keys gives each expert's row range [starts[e], ends[e]);
-a tile table (expert, first row) of every BLOCK_M-row tile is sized by the bound G, so no shape
-depends on the routing -- surplus programs read expert E and return at once.
+a tile table (expert, first row) of every BM-row tile (one per row-tile size in use) is sized by the
+bound G, so no shape depends on the routing -- surplus programs read expert E and return at once.
 
 Kernels (:mod:`mhmoe.moe.dispatch.triton.kernels`; sorted row r belongs to slot order[r] = token order[r] // K):
 
@@ -30,6 +30,9 @@ backward
   6. ``_wgrad_up_kernel`` [E x D/BM x F/BN]: dW1[e] = x[tok]^T dh1, dW3[e] = x[tok]^T dh3 (x gathered).
   7. ``_dx_kernel`` [G x D/BN]: dh1 W1[e]^T + dh3 W3[e]^T scattered to slots, then ``_ksum_kernel``
      (K = 1: written directly into dx).
+  4+7 fused (``MHMOE_TRITON_FUSE_DX=1``, bf16, D <= 256): ``_act_dx_kernel`` [G]: per row tile, one
+     pass over the hidden units computes dh1, dh3 and accumulates dx in registers, so the hidden
+     gradients are never read back for dx (64-row tiles: see docs/PERFORMANCE.md for the trade-off).
 An expert without rows runs no reduction step in 5/6 and stores zeros. Invalid slots are in no
 tile: they contribute nothing, and their gradients stay zero (the partial buffer starts at zero).
 
@@ -43,15 +46,19 @@ a permutation); per-expert weight gradients are one program per output tile loop
 expert's rows in order; the K-sum and the routing-weight partials are fixed-order sums. Results are
 bitwise reproducible run to run (for a given autotuned config).
 
-Tiles: BLOCK_M = 64 rows (fixed: the tile table is built for it; small enough that experts with few
-rows waste little, one H100 m64 warpgroup MMA). BN / BK / warps / stages are autotuned per (D, F,
-dtype) on GPU from a short list sized for thin experts (D = 256..768) and F = 512..2048, fp32
-accumulation; fp32 inputs use TF32 only when ``torch.backends.cuda.matmul.allow_tf32`` is set.
-Under the Triton interpreter (CPU, ``TRITON_INTERPRET=1`` before the kernels are imported) one fixed
-config runs (BLOCK_M 16, BN 64, BK 32: several tiles per expert and masked edges at test sizes), with
-two interpreter-only helpers standing in for ``tl.dot`` and the fp32 -> bf16 cast, which the
-interpreter gets wrong for bf16 (see kernels.py). Under ``torch.autocast`` everything runs in the
-autocast dtype (fp32 and bf16 are supported and tested).
+Tiles (:mod:`mhmoe.moe.dispatch.triton.tiles`): bf16 row tiles of 128 rows (half the weight-panel
+reloads of 64-row tiles, about 4% padding at the paper shapes), BN / BK / warps / stages autotuned per
+(D, F) from short lists that all compile for an H100 without spills (tests/moe/test_triton_aot.py);
+fp32 kernels run one fixed config. fp32 accumulation; fp32 inputs use TF32 only where PyTorch's matmuls
+would (:func:`~mhmoe.moe.dispatch.precision.cuda_matmul_tf32`, either TF32 API). D and F are zero-padded
+to multiples of 16 when they are not (aligned strides: pipelined loads). Under the Triton interpreter
+(CPU, ``TRITON_INTERPRET=1`` before the kernels are imported) one small config runs (BM 16, BN 32:
+several tiles per expert and masked edges at test sizes), with two interpreter-only helpers standing in
+for ``tl.dot`` and the fp32 -> bf16 cast, which the interpreter gets wrong for bf16 (see kernels.py).
+Under ``torch.autocast`` everything runs in the autocast dtype (fp32 and bf16 are supported and tested).
+
+Under ``torch.compile`` the op is a set of opaque custom operators (:mod:`~mhmoe.moe.dispatch.triton.custom_ops`):
+no graph break, and no host synchronisation, so a compiled step can be captured as a CUDA graph.
 
 Not supported (:func:`triton_supported` is False, the dispatcher falls back): biased experts,
 quantized (BitNet) experts, CPU tensors unless the kernels were imported under the interpreter.
@@ -63,15 +70,19 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as nnf
 from torch import Tensor
 
 from mhmoe.errors import ConfigError
+from mhmoe.moe.dispatch.precision import compute_dtype
+from mhmoe.moe.dispatch.triton.tiles import fuse_dx, padded
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+@torch.compiler.assume_constant_result  # a fact of the installation: torch.compile must not trace the import
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported."""
     try:
@@ -81,12 +92,13 @@ def triton_available() -> bool:
     return True
 
 
-def _kernels():
-    from . import kernels
+def _launch():
+    from . import launch
 
-    return kernels
+    return launch
 
 
+@torch.compiler.assume_constant_result  # fixed for the process once the kernels are imported
 def _interpreted() -> bool:
     """Whether the kernels run (or, once imported, will run) under the Triton interpreter."""
     mod = sys.modules.get(f"{__package__}.kernels")
@@ -95,18 +107,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def _unsupported(x: Tensor, experts: GroupedExperts) -> str | None:
     if experts.quantized:
         return "quantized (bitnet158) experts"
     if any(b is not None for b in (experts.b1, experts.b2, experts.b3)):
         return "experts with biases"
-    if _compute_dtype(x) not in _DTYPES:
-        return f"compute dtype {_compute_dtype(x)}"
+    if compute_dtype(x) not in _DTYPES:
+        return f"compute dtype {compute_dtype(x)}"
     if x.device.type == "cpu" and not _interpreted():
         return "CPU tensors outside the Triton interpreter (TRITON_INTERPRET=1)"
     if x.device.type not in ("cpu", "cuda"):
@@ -121,36 +128,42 @@ def triton_supported(x: Tensor, experts: GroupedExperts) -> bool:
     return triton_available() and _unsupported(x, experts) is None
 
 
-class _TritonMoE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, plan,
-                valid: Tensor) -> Tensor:
-        k = _kernels()
-        h1, h3, _ = k.up_forward(x, w1, w3, plan, store_pre=True)
-        out = k.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
-        ctx.save_for_backward(x, weights, w1, w2, w3, h1, h3)
-        ctx.plan, ctx.valid = plan, valid
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        k = _kernels()
-        x, weights, w1, w2, w3, h1, h3 = ctx.saved_tensors
-        plan = ctx.plan
-        need_x, need_w, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:5]
+def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor,
+                    h3: Tensor | None, valid: Tensor, plan, needs: tuple[bool, ...],
+                    fused: bool | None = None) -> tuple[Tensor | None, ...]:
+    """(dx, dweights, dW1, dW2, dW3), None where ``needs`` (x, weights, w1, w2, w3) is False. Where
+    :func:`~mhmoe.moe.dispatch.triton.tiles.fuse_dx` says so (``fused``: override), the input gradient comes
+    out of the act_bwd pass itself (act_dx: the hidden gradients are never read back for dx)."""
+    k = _launch()
+    need_x, need_w, need_w1, need_w2, need_w3 = needs
+    dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
+    if need_x and fuse_dx(w1.shape[1], str(h1.dtype), fused):
+        gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
+                                             store_dh=need_w1 or need_w3, need_dw=need_w)
+    else:
         need_dh = need_x or need_w1 or need_w3
-        dout = dout.to(h1.dtype)
-        dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-        if need_w2:
-            gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
         if need_dh or need_w:
             dh1, dh3, dw = k.act_backward(dout, w2, weights, h1, h3, plan, need_dh, need_w)
-        if need_w1 or need_w3:
-            gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
         if need_x:
-            gx = k.dx_backward(dh1, dh3, w1, w3, ctx.valid, plan)
-        dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
-        return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None, None, None
+            gx = k.dx_backward(dh1, dh3, w1, w3, valid, plan)
+    if need_w1 or need_w3:
+        gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
+    if need_w2:
+        gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
+    dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
+    return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None
+
+
+def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, ...]:
+    """x [S, D] and the weights with D and F zero-padded to multiples of ALIGN (differentiable): every
+    row stride is then 16-element aligned, which the kernels' pipelined (cp.async) loads need. Zero
+    columns give zero hidden units (silu(0) * 0 = relu(0) = 0) that meet zero rows of W2: exact."""
+    D, F = w1.shape[1], w1.shape[2]
+    pd, pf = padded(D) - D, padded(F) - F
+    if not (pd or pf):
+        return x, w1, w2, w3
+    pad_in = lambda w: None if w is None else nnf.pad(w, (0, pf, 0, pd))  # noqa: E731 -- [E, D, F]
+    return nnf.pad(x, (0, pd)), pad_in(w1), nnf.pad(w2, (0, pd, 0, pf)), pad_in(w3)
 
 
 def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
@@ -164,20 +177,20 @@ def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     why = _unsupported(x, experts)
     if why is not None:
         raise ConfigError("model.moe.impl", "triton", f"grouped_mm | sorted for {why}")
-    dt = _compute_dtype(x)
+    dt = compute_dtype(x)
     S, K = route.experts.shape
     if x.numel() == 0 or S == 0:
         return x.new_zeros(x.shape, dtype=dt)
-    k = _kernels()
-    plan = k.route_plan(route.experts, route.valid, experts.n_experts)
-    x = x.to(dt)
+    from . import custom_ops
+
+    D = x.shape[1]
     w1, w2, w3 = (None if w is None else w.to(dt) for w in (experts.w1, experts.w2, experts.w3))
     if w3 is not None and w3.stride() != w1.stride():
         w3 = w3.contiguous()
         w1 = w1.contiguous()
+    xp, w1, w2, w3 = _pad_widths(x.to(dt), w1, w2, w3)
+    args = (xp, route.weights, w1, w2, w3, route.experts, route.valid, experts.n_experts)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (x, route.weights, w1, w2, w3))
-    if grads:
-        return _TritonMoE.apply(x, route.weights, w1, w2, w3, plan, route.valid)
-    _, _, act = k.up_forward(x, w1, w3, plan, store_pre=False)
-    return k.down_forward(act, None, w2, route.weights, route.valid, plan, "none")
+                                            for t in (xp, route.weights, w1, w2, w3))
+    out = custom_ops.triton_moe_train(*args)[0] if grads else custom_ops.triton_moe_infer(*args)
+    return out if out.shape[1] == D else out[:, :D]
