@@ -87,7 +87,8 @@ def report(request, tmp_path_factory):
         pytest.skip(why)
     out = tmp_path_factory.mktemp("aot") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(request.config.cache.mkdir("triton-aot-cache"))  # compiles reused across runs
+    cache = getattr(request.config, "cache", None)  # compiles reused across runs (absent: -p no:cacheprovider)
+    env["TRITON_CACHE_DIR"] = str(cache.mkdir("triton-aot-cache") if cache else tmp_path_factory.mktemp("triton"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_moe.py"), "--aot", "--quick", "--check",
