@@ -76,6 +76,11 @@ class UnsafePathError(ValueError):
     cache directory: refused, never followed."""
 
 
+class TrainingStopped(RuntimeError):
+    """A training stopped by its own rule (too many non-finite steps in a row, or all of them): the CLI
+    prints the message and exits with status 1. Any other RuntimeError is not this."""
+
+
 class NoSpaceError(OSError):
     """The disk (or the file-size limit, or the quota) ran out while writing; ``errno`` is ENOSPC, EFBIG
     or EDQUOT. The CLI prints the message and exits with :data:`NO_SPACE_EXIT`."""

@@ -59,12 +59,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mhmoe.errors import CheckpointError, one_line
+from mhmoe.errors import MAX_CHARS, CheckpointError, bounded_repr, one_line
 
 __all__ = ["ALLOWED_GLOBALS", "check_file_name", "check_metadata", "read_metadata"]
 
 METADATA_FILE = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
+
+# ---- limits: memory and time within a small multiple of the file's size ---------------------------------------
+MAX_METADATA_BYTES = 256 << 20  # a .metadata of a model with 10^5 tensors is a few MB
+MAX_HASH_DEPTH = 16  # nesting of tuples / frozensets / metadata objects (what hashing a dict key walks)
+MAX_DIMS = 64  # elements of a torch.Size
+MAX_PATH_PARTS, MAX_PATH_CHARS = 64, 4096  # a checkpoint_id path
+MAX_ARGS = 8  # arguments of NEWOBJ / NEWOBJ_EX (the dataclasses take none)
+MAX_STATE = 32  # entries of a BUILD state (the dataclasses have at most 6 fields)
+MAX_KEY_PATH = 64  # parts of a planner_data key path (the nesting of a state dict)
 
 # the dataclasses of a DCP Metadata pickle: the only types created with NEWOBJ and filled in with BUILD
 _DATACLASSES: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
@@ -98,16 +107,56 @@ _DATACLASS_IDS = frozenset(map(id, _DATACLASSES))
 _FIELDS = {c: frozenset(f.name for f in dataclasses.fields(c)) for c in _DATACLASSES}
 
 
+def _factory_args_ok(func: Any, args: Any) -> bool:
+    """The arguments of a REDUCE are what the value's own pickling produces, within the limits: a
+    torch.Size of at most MAX_DIMS int64 values, a path of at most MAX_PATH_PARTS strings and
+    MAX_PATH_CHARS characters, one short name or number for a layout or memory format. (A memoised
+    argument may be reused any number of times at no cost in file size: each use must stay small.)"""
+    if type(args) is not tuple:
+        return False
+    if func is torch.Size:
+        dims = args[0] if len(args) == 1 else None
+        return (type(dims) in (tuple, list) and len(dims) <= MAX_DIMS
+                and all(type(x) is int and -(2**63) <= x < 2**63 for x in dims))
+    if func in (PurePosixPath, PureWindowsPath):
+        return (len(args) <= MAX_PATH_PARTS and all(type(a) is str for a in args)
+                and sum(map(len, args)) <= MAX_PATH_CHARS)
+    return len(args) == 1 and type(args[0]) in (int, str) and len(str(args[0])[:65]) <= 64
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be restricted
     """Unpickles a DCP ``Metadata`` and nothing else (see the module docstring)."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        # nesting of every tuple, frozenset and dataclass instance built, kept alive so that ids stay unique:
+        # hashing walks these (a dict key, a set item), without a recursion check in C
+        self._depth: dict[int, int] = {}
+        self._keep: list[Any] = []
+
+    def depth(self, obj: Any) -> int:
+        return self._depth.get(id(obj), 0)
+
+    def _track(self, obj: Any, children: Any) -> None:
+        d = 1 + max((self.depth(c) for c in children), default=0)
+        if d > MAX_HASH_DEPTH:
+            self._over(f"nesting deeper than {MAX_HASH_DEPTH} levels")
+        self._depth[id(obj)] = max(d, self.depth(obj))
+        self._keep.append(obj)
+
+    def _hashable(self, items: Any, what: str) -> None:  # before they are hashed
+        for k in items:
+            if self.depth(k) >= MAX_HASH_DEPTH:
+                self._over(f"{what} nested deeper than {MAX_HASH_DEPTH} levels")
+
     def find_class(self, module: str, name: str) -> Any:
         try:
             return ALLOWED_GLOBALS[(module, name)]
         except (KeyError, TypeError):
-            raise pickle.UnpicklingError(f"refused global {module}.{name} (not a DCP metadata class)") from None
+            raise pickle.UnpicklingError(f"refused global {str(module)[:80]}.{str(name)[:80]} (not a DCP metadata "
+                                         "class)") from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("refused persistent id")
@@ -115,20 +164,31 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
     def _refuse(self, what: str) -> None:
         raise pickle.UnpicklingError(f"refused pickle opcode {what}")
 
+    def _over(self, what: str) -> None:
+        raise pickle.UnpicklingError(f"refused: {what}")
+
     def _load_reduce(self) -> None:
-        func = self.stack[-2]
+        func, args = self.stack[-2], self.stack[-1]
         if id(func) not in _FACTORY_IDS:
             self._refuse(f"REDUCE on {type(func).__name__}")
+        if not _factory_args_ok(func, args):
+            self._over(f"{getattr(func, '__name__', 'a factory')} with arguments beyond the limits (at most "
+                       f"{MAX_DIMS} sizes, {MAX_PATH_PARTS} path parts of {MAX_PATH_CHARS} characters)")
         pickle._Unpickler.load_reduce(self)
 
     def _load_newobj(self) -> None:
         if id(self.stack[-2]) not in _DATACLASS_IDS:
             self._refuse("NEWOBJ on a non-metadata class")
+        if type(self.stack[-1]) is not tuple or len(self.stack[-1]) > MAX_ARGS:
+            self._over(f"NEWOBJ with more than {MAX_ARGS} arguments")
         pickle._Unpickler.load_newobj(self)
 
     def _load_newobj_ex(self) -> None:
         if id(self.stack[-3]) not in _DATACLASS_IDS:
             self._refuse("NEWOBJ_EX on a non-metadata class")
+        args, kwargs = self.stack[-2], self.stack[-1]
+        if type(args) is not tuple or type(kwargs) is not dict or len(args) > MAX_ARGS or len(kwargs) > MAX_ARGS:
+            self._over(f"NEWOBJ_EX with more than {MAX_ARGS} arguments")
         pickle._Unpickler.load_newobj_ex(self)
 
     def _load_build(self) -> None:
@@ -142,9 +202,10 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
             # names of fields a newer torch may have added are accepted
             ok = type(state) is dict and (state.keys() <= _FIELDS[kind] or all(
                 type(k) is str and not k.startswith("__") for k in state))
-        if not ok:
+        if not ok or len(state) > MAX_STATE:
             self._refuse(f"BUILD of {type(inst).__name__} with a {type(state).__name__} state")
         pickle._Unpickler.load_build(self)
+        self._track(inst, state if type(state) is tuple else state.values())
 
     def _require(self, obj: Any, kind: type, what: str) -> None:
         if type(obj) is not kind:
@@ -163,15 +224,43 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
 
     def _load_setitem(self) -> None:
         self._require(self.stack[-3], dict, "SETITEM")
+        self._hashable(self.stack[-2:-1], "a dict key")
         pickle._Unpickler.load_setitem(self)
 
     def _load_setitems(self) -> None:
         self._require(self._marked(), dict, "SETITEMS")
+        self._hashable(self.stack[::2], "a dict key")
         pickle._Unpickler.load_setitems(self)
+
+    def _load_dict(self) -> None:
+        self._hashable(self.stack[::2], "a dict key")
+        pickle._Unpickler.load_dict(self)
 
     def _load_additems(self) -> None:
         self._require(self._marked(), set, "ADDITEMS")
+        self._hashable(self.stack, "a set item")
         pickle._Unpickler.load_additems(self)
+
+    def _load_frozenset(self) -> None:
+        self._hashable(self.stack, "a set item")
+        pickle._Unpickler.load_frozenset(self)
+        self._track(self.stack[-1], self.stack[-1])
+
+    def _tuple(self, load: Any) -> None:
+        load(self)
+        self._track(self.stack[-1], self.stack[-1])
+
+    def _load_tuple(self) -> None:
+        self._tuple(pickle._Unpickler.load_tuple)
+
+    def _load_tuple1(self) -> None:
+        self._tuple(pickle._Unpickler.load_tuple1)
+
+    def _load_tuple2(self) -> None:
+        self._tuple(pickle._Unpickler.load_tuple2)
+
+    def _load_tuple3(self) -> None:
+        self._tuple(pickle._Unpickler.load_tuple3)
 
     def _load_inst(self) -> None:
         self._refuse("INST")
@@ -184,14 +273,18 @@ for _op, _fn in ((pickle.REDUCE, "_load_reduce"), (pickle.NEWOBJ, "_load_newobj"
                  (pickle.NEWOBJ_EX, "_load_newobj_ex"), (pickle.BUILD, "_load_build"),
                  (pickle.APPEND, "_load_append"), (pickle.APPENDS, "_load_appends"),
                  (pickle.SETITEM, "_load_setitem"), (pickle.SETITEMS, "_load_setitems"),
-                 (pickle.ADDITEMS, "_load_additems"), (pickle.INST, "_load_inst"), (pickle.OBJ, "_load_obj")):
+                 (pickle.ADDITEMS, "_load_additems"), (pickle.INST, "_load_inst"), (pickle.OBJ, "_load_obj"),
+                 (pickle.DICT, "_load_dict"), (pickle.FROZENSET, "_load_frozenset"), (pickle.TUPLE, "_load_tuple"),
+                 (pickle.TUPLE1, "_load_tuple1"), (pickle.TUPLE2, "_load_tuple2"), (pickle.TUPLE3, "_load_tuple3")):
     _MetadataUnpickler.dispatch[_op[0]] = getattr(_MetadataUnpickler, _fn)
 
 
 # ---- checking the unpickled metadata ---------------------------------------------------------------------
 def error(msg: str) -> CheckpointError:
-    """A one-line CheckpointError: names from the checkpoint may hold newlines or control characters."""
-    return CheckpointError("".join(c if c.isprintable() else ascii(c)[1:-1] for c in msg))
+    """A one-line CheckpointError of bounded length: names from the checkpoint may be long or hold
+    newlines or control characters."""
+    msg = msg[:2 * MAX_CHARS]
+    return CheckpointError(one_line("".join(c if c.isprintable() else ascii(c)[1:-1] for c in msg), MAX_CHARS))
 
 
 def fail(where: str, msg: str) -> CheckpointError:
@@ -212,20 +305,33 @@ def check_file_name(name: Any, where: str) -> str:
     """A data file name from the metadata: a bare file name (no directory part, no ``..``)."""
     if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
             or not name.isprintable() or PureWindowsPath(name).drive):
-        raise fail(where, f"data file name {name!r} is not a plain file name inside the checkpoint")
+        raise fail(where, f"data file name {bounded_repr(name, 80)} is not a plain file name inside the checkpoint")
     return name
 
 
 def check_metadata(md: Any, where: str = "DCP checkpoint") -> Metadata:
-    """Type-check an unpickled DCP ``Metadata`` field by field; return it or raise CheckpointError."""
+    """Type-check an unpickled DCP ``Metadata`` field by field; return it or raise CheckpointError.
+
+    The work is linear in the file's size even when its objects are shared (a pickle may reference one
+    list of chunks from every tensor at no cost): every chunk and bytes item needs a storage entry of its
+    own, so the chunks checked are counted against ``len(storage_data)`` and the check stops beyond it;
+    planner_data key paths have at most :data:`MAX_KEY_PATH` parts."""
     if type(md) is not Metadata:
         raise fail(where, f"a {type(md).__name__}, not a Metadata")
     sdm = getattr(md, "state_dict_metadata", None)
+    storage_data = getattr(md, "storage_data", None)
     if type(sdm) is not dict:
         raise fail(where, "state_dict_metadata is not a dict")
+    if type(storage_data) is not dict:
+        raise fail(where, "storage_data is not a dict")
+    budget = len(storage_data)  # one storage entry per chunk / bytes item
     for fqn, item in sdm.items():
         if type(fqn) is not str:
-            raise fail(where, f"key {fqn!r} is not a string")
+            raise fail(where, f"key {bounded_repr(fqn, 80)} is not a string")
+        budget -= 1 if type(item) is BytesStorageMetadata else len(getattr(item, "chunks", None) or ())
+        if budget < 0:
+            raise fail(where, f"more chunks and items than its {len(storage_data):,} storage entries (shared "
+                              "entries?)")
         if type(item) is BytesStorageMetadata:
             continue
         if type(item) is not TensorStorageMetadata:
@@ -250,24 +356,23 @@ def check_metadata(md: Any, where: str = "DCP checkpoint") -> Metadata:
         if type(planner_data) is not dict:
             raise fail(where, "planner_data is not a dict")
         for k, path in planner_data.items():
-            if (type(k) is not str or type(path) not in (tuple, list) or not path
+            if (type(k) is not str or type(path) not in (tuple, list) or not path or len(path) > MAX_KEY_PATH
                     or not all(type(p) is str or is_count(p) for p in path)):
-                raise fail(where, f"planner_data entry {k!r} is not a key path")
-    storage_data = getattr(md, "storage_data", None)
-    if type(storage_data) is not dict:
-        raise fail(where, "storage_data is not a dict")
+                raise fail(where, f"planner_data entry {bounded_repr(k, 80)} is not a key path of at most "
+                                  f"{MAX_KEY_PATH} parts")
     for idx, info in storage_data.items():
         if (type(idx) is not MetadataIndex or type(getattr(idx, "fqn", None)) is not str
                 or not (idx.offset is None or type(idx.offset) is torch.Size)
                 or not (idx.index is None or type(idx.index) is int)):
-            raise fail(where, f"storage key {idx!r} is not a MetadataIndex")
+            raise fail(where, f"storage key {bounded_repr(idx, 80)} is not a MetadataIndex")
         if type(info) is not _StorageInfo:
             raise fail(where, f"{idx.fqn}: storage info is a {type(info).__name__}")
         check_file_name(getattr(info, "relative_path", None), where)
         if not (is_count(getattr(info, "offset", None)) and is_count(getattr(info, "length", None))):
             raise fail(where, f"{idx.fqn}: byte range is not two non-negative ints")
         if getattr(info, "transform_descriptors", None):
-            raise fail(where, f"{idx.fqn}: stream transforms {info.transform_descriptors!r} are not supported")
+            raise fail(where, f"{idx.fqn}: stream transforms {bounded_repr(info.transform_descriptors, 80)} are not "
+                              "supported")
     version = getattr(md, "version", None)
     if version is not None and type(version) is not str:
         raise fail(where, "version is not a string")
@@ -282,11 +387,17 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     where = str(path)
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise fail(where, f"{size:,} bytes, more than the {MAX_METADATA_BYTES:,} allowed")
             md = _MetadataUnpickler(io.BytesIO(f.read())).load()
     except CheckpointError:
         raise
     except OSError as exc:
         raise error(f"{where}: unreadable DCP metadata ({exc.__class__.__name__}: {exc.strerror})") from None
-    except Exception as exc:  # noqa: BLE001 -- UnpicklingError, and whatever a malformed pickle raises
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 -- UnpicklingError, whatever a malformed pickle raises
         raise fail(where, f"{exc.__class__.__name__}: {one_line(exc)}") from None
-    return check_metadata(md, where)
+    try:
+        return check_metadata(md, where)
+    except (RecursionError, MemoryError) as exc:  # not expected within the limits; never a traceback
+        raise fail(where, exc.__class__.__name__) from None

@@ -29,6 +29,7 @@ from torch.futures import Future
 from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, check_file_name, check_metadata, error, fail, read_metadata
 from mhmoe.checkpoint.format import DCP_DIR
 from mhmoe.errors import CheckpointError, one_line
+from mhmoe.runtime.bounded import check_torch_archive
 
 __all__ = ["DCP_DIR", "SafeFileSystemReader", "load_item", "read_dcp", "read_dcp_full"]
 
@@ -68,6 +69,7 @@ def load_item(stream: Any, where: str) -> Any:
     """One DCP item (a ``torch.save`` archive) with ``torch.load(weights_only=True)``: tensors and plain
     values only; anything else raises CheckpointError."""
     try:
+        check_torch_archive(stream, where)  # nesting first (mhmoe.runtime.bounded)
         return torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- torch raises UnpicklingError, RuntimeError, ...
         raise error(f"{where}: refused DCP item ({exc.__class__.__name__}: {one_line(exc)})") from None
@@ -167,12 +169,16 @@ def _unflatten(flat: dict[str, Any], mapping: dict[str, Any] | None, where: str)
     (as ``torch.distributed.checkpoint._traverse.set_element``; list indices are bounded)."""
     out: dict[str, Any] = {}
     limit = len(flat)
+    slots = [2 * limit + 16]  # list slots all key paths may create together: linear in the items
 
     def child(container: Any, key: Any, default: Callable[[], Any]) -> Any:
         if isinstance(container, dict):
             return container.setdefault(key, default())
         if key >= limit:
             raise IndexError(f"list index {key}")
+        slots[0] -= max(0, key + 1 - len(container))
+        if slots[0] < 0:
+            raise IndexError(f"list index {key}: more list slots than {2 * limit + 16} for {limit} items")
         container.extend([None] * (key + 1 - len(container)))
         if container[key] is None:
             container[key] = default()
@@ -191,7 +197,7 @@ def _unflatten(flat: dict[str, Any], mapping: dict[str, Any] | None, where: str)
                 raise TypeError(f"{k}: its parent is a {type(cur).__name__}")
             cur[last] = v
     except (TypeError, IndexError, KeyError, AttributeError, ValueError, RuntimeError) as exc:
-        raise fail(where, f"inconsistent planner_data key paths ({exc.__class__.__name__}: {exc})") from None
+        raise fail(where, f"inconsistent planner_data key paths ({exc.__class__.__name__}: {one_line(exc)})") from None
     return out
 
 
@@ -200,9 +206,12 @@ def _volume(shape: Iterable[int]) -> int:
 
 
 def _check_extents(reader: SafeFileSystemReader, md: Metadata, where: str) -> None:
-    """Before allocating anything: every tensor chunk has its item, within its file, and the item holds
-    at least the chunk's bytes (so the full tensors never need more memory than the data files' size)."""
+    """Before allocating anything: every tensor chunk has an item of its own, within its file, holding at
+    least the chunk's bytes, and no two items overlap. So the full tensors never need more memory than
+    the data files' size, however the metadata aliases its entries."""
     sizes: dict[str, int] = {}
+    used: set[int] = set()  # ids of the storage entries taken
+    ranges: dict[str, list[tuple[int, int]]] = {}
     for fqn, item in md.state_dict_metadata.items():
         if type(item) is BytesStorageMetadata:
             chunks: list[tuple[Any, int]] = [(None, 0)]
@@ -212,10 +221,19 @@ def _check_extents(reader: SafeFileSystemReader, md: Metadata, where: str) -> No
             info = md.storage_data.get(MetadataIndex(fqn, offsets))
             if info is None:
                 raise fail(where, f"{fqn}: no data item for chunk {tuple(offsets or ())}")
+            if id(info) in used:
+                raise fail(where, f"{fqn}: two chunks share one data item")
+            used.add(id(info))
             if info.relative_path not in sizes:
                 sizes[info.relative_path] = reader._data_file(info.relative_path).stat().st_size
             if info.offset + info.length > sizes[info.relative_path] or info.length < nbytes:
                 raise fail(where, f"{fqn}: data item out of range of {info.relative_path} (truncated?)")
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    for name, spans in ranges.items():
+        spans.sort()
+        for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
+            if a + n > b:
+                raise fail(where, f"data items overlap in {name} (bytes {b:,}..{a + n:,})")
 
 
 def read_dcp_full(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, TypeVar
 
-from mhmoe.errors import CheckpointError
+from mhmoe.errors import CheckpointError, one_line
+from mhmoe.runtime.bounded import MAX_JSON_CHARS, load_json
 from mhmoe.runtime.files import atomic_write, durable_default, publish_dir, remove_tree, sha256_file
 
 FORMAT_VERSION = 1
@@ -128,9 +129,11 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     no symlink out of it)."""
     meta_path = path / META_FILE
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta_path.stat().st_size > MAX_JSON_CHARS:  # before reading it
+            raise ValueError(f"{meta_path.stat().st_size:,} bytes, more than the {MAX_JSON_CHARS:,} allowed")
+        meta = load_json(meta_path.read_text(encoding="utf-8"), str(meta_path))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable meta.json ({exc.__class__.__name__})") from None
+        raise CheckpointError(f"{path}: unreadable meta.json ({one_line(exc, 200)})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: malformed meta.json (not an object)")
     if meta.get("format_version") != FORMAT_VERSION:

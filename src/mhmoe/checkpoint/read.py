@@ -22,6 +22,7 @@ import torch
 from mhmoe.checkpoint.format import verify_checkpoint
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
+from mhmoe.runtime.bounded import open_checked_torch_archive
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -114,8 +115,9 @@ def read_trainer_state(path: Path, step: int | None = None, for_resume: bool = F
     unpickled); ``for_resume``: checked for what a resume of step ``step`` needs
     (:func:`check_trainer_state`; default step: the one the file records)."""
     warn_if_unsafe_torch(torch.__version__)
-    try:
-        state = torch.load(path / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+    try:  # nesting checked first: torch's unpickler would build a key whose hashing crashes the process
+        with open_checked_torch_archive(path / TRAINER_STATE_FILE) as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- UnpicklingError for a crafted file, OSError, ...
         raise _bad(path, f"cannot be loaded ({exc.__class__.__name__}: {one_line(exc)})") from None
     if not isinstance(state, dict):

@@ -9,9 +9,10 @@ adds its parser (which sets ``func``). Only the module of the command being run 
 arguments into typed configs and call the library with those only. Every option has a help text and
 ``--help`` shows its default (:class:`HelpFormatter`); warnings are printed once, as one line, on rank 0
 (:mod:`mhmoe.runtime.console`). Bad input (any ``ValueError``, including :mod:`mhmoe.errors`, and
-file-system errors) and running out of memory print one line to stderr and exit with status 2; no
-traceback. Ctrl-C and SIGTERM, also during start-up, print one line and exit 130 / 143 (a training
-saves a checkpoint first, see :mod:`mhmoe.train.loop`).
+file-system errors) and running out of memory print one line to stderr and exit with status 2; running
+out of disk space (or the file-size limit, or the quota) while writing prints one line and exits with
+status 74; no traceback. Ctrl-C and SIGTERM, also during start-up, print one line and exit 130 / 143 (a
+training saves a checkpoint first, see :mod:`mhmoe.train.loop`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mhmoe.errors import NO_SPACE_EXIT, NoSpaceError, close_match, one_line
 from mhmoe.runtime.console import one_line_warnings
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.files import no_space_errno
-from mhmoe.runtime.signals import raise_on_sigterm
+from mhmoe.runtime.signals import file_size_limit_as_error, raise_on_sigterm
 
 #: every subcommand, in ``mhmoe --help`` order: (module under mhmoe.cli, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -130,17 +131,25 @@ def _command_of(argv: Sequence[str]) -> str | None:
 MESSAGE_CHARS = 2000  # the longest error line the command prints
 
 
+#: what torch's allocators say when an allocation fails (``model.max_seq_len=10**12`` asks for terabytes)
+_ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "out of memory", "failed to allocate")
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")  # loaded by the command if it ran out of device memory
     oom = getattr(torch.cuda, "OutOfMemoryError", None) if torch is not None else None
-    return isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom))
+    if isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom)):
+        return True
+    text = str(exc)[:2000].lower()
+    return isinstance(exc, RuntimeError) and any(s in text for s in _ALLOCATION_FAILED)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     command = "mhmoe"
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        with raise_on_sigterm():  # a SIGTERM raises mhmoe.runtime.signals.Interrupted (exit 143), like Ctrl-C
+        # a SIGTERM raises mhmoe.runtime.signals.Interrupted (exit 143), like Ctrl-C; the file-size limit is EFBIG
+        with raise_on_sigterm(), file_size_limit_as_error():
             name = _command_of(argv)
             if name is not None and name not in COMMANDS:
                 hint = close_match(name, COMMANDS)
@@ -169,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{command}: {one_line(exc) if str(exc) else 'interrupted'}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 130))
     except (MemoryError, RuntimeError) as exc:
+        if no_space_errno(exc) is not None:  # e.g. torch's archive writer on a full disk
+            print(f"{command}: {one_line(exc, MESSAGE_CHARS)} (no space left)", file=sys.stderr)
+            return NO_SPACE_EXIT
         if not _is_out_of_memory(exc):
             raise
         print(f"{command}: error: out of memory ({one_line(exc, 200)}); lower train.batch_size or train.seq_len, "

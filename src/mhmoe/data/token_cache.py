@@ -30,6 +30,7 @@ import numpy as np
 from mhmoe.data.documents import Document, source_hash
 from mhmoe.data.tokenizer_base import Tokenizer, check_path_component
 from mhmoe.errors import DataError
+from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, sha256_file
 
 CACHE_FORMAT_VERSION = 1
@@ -76,7 +77,7 @@ def check_cached(bin_path: Path, expected: dict[str, Any]) -> tuple[dict[str, An
     if not man_path.is_file() or not bin_path.is_file():
         return None, "not cached"
     try:
-        manifest = json.loads(man_path.read_text("utf-8"))
+        manifest = load_json(man_path.read_text("utf-8"), str(man_path))
     except (OSError, ValueError) as e:
         return None, f"unreadable manifest ({e})"
     if not isinstance(manifest, dict):

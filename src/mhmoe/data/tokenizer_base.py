@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mhmoe.errors import DataError
-from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.bounded import load_json
+from mhmoe.runtime.files import atomic_write, make_dirs
 
 EOS_TEXT = "<|endoftext|>"
 META_FILE = "tokenizer_meta.json"
@@ -129,9 +130,9 @@ class Tokenizer(ABC):
         )
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Save into ``directory`` (created) so that :func:`mhmoe.data.tokenizer.load_tokenizer` restores it exactly."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        """Save into ``directory`` (created; refused if it is a symlink) so that
+        :func:`mhmoe.data.tokenizer.load_tokenizer` restores it exactly."""
+        d = make_dirs(directory, root=Path(directory).parent)
         meta = {
             "format_version": TOKENIZER_FORMAT_VERSION,
             "kind": self.kind,
@@ -167,7 +168,7 @@ def read_tokenizer_meta(directory: Path) -> dict[str, Any]:
     if not meta_path.is_file():
         raise DataError(f"{meta_path}: tokenizer metadata not found")
     try:
-        meta = json.loads(meta_path.read_text("utf-8"))
+        meta = load_json(meta_path.read_text("utf-8"), str(meta_path))
         if not isinstance(meta["kind"], str) or not isinstance(meta["fingerprint"], str):
             raise TypeError("kind and fingerprint must be strings")
     except (ValueError, KeyError, TypeError) as e:

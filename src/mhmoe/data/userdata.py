@@ -73,6 +73,8 @@ def load_jsonl(path: Path, field: str = "text") -> Corpus:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{lineno}: JSON nested too deeply") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
         if field not in row:

@@ -40,6 +40,7 @@ from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.quant.bitnet import BITNET158, quantized_weights, set_prequantized, ternary_codes
+from mhmoe.runtime.bounded import load_json
 
 FORMAT = "mhmoe-bitnet158"
 FORMAT_VERSION = 1
@@ -173,7 +174,9 @@ def read_metadata(path: str | Path) -> dict:
         raw = (f.metadata() or {}).get(META_KEY)
     if raw is None:
         raise ValueError(f"{path}: not an mhmoe BitNet export (no {META_KEY!r} metadata)")
-    meta = json.loads(raw)
+    meta = load_json(raw, f"{path} ({META_KEY} metadata)")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: {META_KEY} metadata is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format {meta.get('format')!r} v{meta.get('version')!r}, "
                          f"expected {FORMAT} v{FORMAT_VERSION}")

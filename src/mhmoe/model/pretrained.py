@@ -32,6 +32,7 @@ from mhmoe.checkpoint.format import check_links, is_checkpoint_dir, newest_valid
 from mhmoe.checkpoint.read import open_checkpoint, read_safetensors
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
+from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, publish_dir, staging_dir
 
 CONFIG_FILE = "config.json"
@@ -61,9 +62,9 @@ def saved_dir_files(d: Path) -> PretrainedFiles:
     """A saved (or ``export --hf``) directory: ``config.json`` with an ``mhmoe`` model config + weights."""
     check_links(d)
     try:
-        meta = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
+        meta = load_json((d / CONFIG_FILE).read_text(encoding="utf-8"), str(d / CONFIG_FILE))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{d}: unreadable {CONFIG_FILE} ({exc.__class__.__name__})") from None
+        raise CheckpointError(f"{d}: unreadable {CONFIG_FILE} ({one_line(exc)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("mhmoe"), dict):
         raise CheckpointError(f"{d}: {CONFIG_FILE} is not an mhmoe model config (no \"mhmoe\" section)")
     try:

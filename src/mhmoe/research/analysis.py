@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.bounded import load_json
+from mhmoe.runtime.files import atomic_write, make_dirs
 
 
 def activation_frequency(experts: Tensor, valid: Tensor, n_experts: int, n_tokens: int) -> Tensor:
@@ -184,8 +185,7 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
     from mhmoe.research.analysis_plots import activation_figure, diversity_figure
     from mhmoe.train.plot_style import save_figure
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(out_dir, root=Path(out_dir).parent)  # RUN/analysis: refused if it is a symlink
     freq: Tensor = summary.pop("frequency")
     div: Tensor = summary.pop("diversity")
     buf = io.StringIO(newline="")
@@ -257,7 +257,7 @@ def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
     from mhmoe.research.reproduce import run_dir_name
 
     summary = suite_dir / "summary.json"
-    labels = [r["label"] for r in json.loads(summary.read_text())["rows"]] if summary.exists() else []
+    labels = [r["label"] for r in load_json(summary.read_text(), str(summary))["rows"]] if summary.exists() else []
     by_dir = {run_dir_name(label): label for label in labels}
     runs = [(by_dir.get(d.parent.name, d.parent.name), d) for d in suite_dir.glob("*/seed*")
             if (d / "results.json").exists()]

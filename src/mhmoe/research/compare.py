@@ -8,12 +8,10 @@ difference); a run with checkpoints but no results continues from its newest che
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
-from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.presets import get_preset
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
@@ -21,7 +19,9 @@ from mhmoe.parallel.launch import train_parallel
 from mhmoe.research.report import write_suite_report
 from mhmoe.research.reproduce import _check_same_run as check_same_run
 from mhmoe.research.throughput import ROUNDS, describe, timed_throughput
+from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.console import is_rank0
+from mhmoe.runtime.files import make_dirs
 
 DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")
 
@@ -56,10 +56,12 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
         else:
             print(f"[{name} seed {seed}] training {run.train.max_steps} steps x {run.train.tokens_per_step:,} tokens",
                   file=sys.stderr)
-            train_parallel(run, run_dir, resume=bool(list_checkpoints(run_dir)), progress=progress)
+            resume = run_dir.is_dir()  # ours: continue it
+            make_dirs(run_dir, root=out)  # a symlinked model or seed directory in --out is refused
+            train_parallel(run, run_dir, resume=resume, progress=progress)
         if not is_rank0():  # torchrun: rank 0 reports
             continue
-        runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **json.loads(done.read_text())})
+        runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **load_json(done.read_text(), str(done))})
     if not runs:  # a torchrun rank other than 0
         return [], ""
     wall = time.perf_counter() - t0

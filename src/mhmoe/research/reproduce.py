@@ -37,7 +37,8 @@ from mhmoe.config.presets import (
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.research.report import plot_suite_curves, write_json
-from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.bounded import load_json
+from mhmoe.runtime.files import atomic_write, make_dirs
 
 
 @dataclass
@@ -276,9 +277,10 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
                 continue
             if not done.exists():
                 print(f"[{name}] {row.label} seed {seed}: {run.train.max_steps} steps", file=sys.stderr)
-                resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
+                resume = run_dir.is_dir()  # the suite's own: continue it
+                make_dirs(run_dir, root=out)  # a symlinked row or seed directory in --out is refused
                 train(run, run_dir, resume=resume, progress=progress)
-            res = json.loads(done.read_text())
+            res = load_json(done.read_text(), str(done))
             results.append({"label": row.label, "seed": seed, "train_seed": run.train.seed, "run_dir": str(run_dir),
                             **res})
     if not results:

@@ -119,6 +119,8 @@ def open_dir(directory: str | os.PathLike[str], root: str | os.PathLike[str] | N
                         raise
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o777, dir_fd=fd)
+                        if durable_default():  # the new entry (RUN/checkpoints) survives a power cut too
+                            fsync_dir(fd)
                 except OSError as exc:
                     if exc.errno in (errno.ENOTDIR, errno.ELOOP) and stat.S_ISLNK(
                             os.lstat(part, dir_fd=fd).st_mode):

@@ -112,3 +112,19 @@ def raise_on_sigterm() -> Iterator[None]:
         yield
     finally:
         _restore(previous)
+
+
+@contextmanager
+def file_size_limit_as_error() -> Iterator[None]:
+    """Within the block, exceeding the file-size limit (``ulimit -f``, RLIMIT_FSIZE) makes the write fail
+    with EFBIG instead of killing the process with SIGXFSZ, so a checkpoint save reports it in one line
+    (:class:`mhmoe.errors.NoSpaceError`) and the previous checkpoint stays the newest."""
+    sig = getattr(signal, "SIGXFSZ", None)
+    if sig is None or not _can_install():
+        yield
+        return
+    previous = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous)

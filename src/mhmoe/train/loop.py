@@ -40,7 +40,7 @@ from torch import Tensor
 from mhmoe.checkpoint import remove_stale_temporaries
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, TrainingStopped
 from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
@@ -59,6 +59,8 @@ from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
 LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
 LAUNCH_DATA_FIELDS = ("cache_dir",)  # where this machine caches tokens: never a checkpoint's choice
+#: the logs of a run: a new run refuses an --out that holds any of them (they would be replaced)
+RUN_LOGS = ("metrics.jsonl", "eval.jsonl", "results.json")
 
 
 @dataclass
@@ -203,6 +205,11 @@ class Trainer:
         if has_ckpt and not resume:
             raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
                                                           "continue)")
+        logs = [n for n in RUN_LOGS if os.path.lexists(self.run_dir / n)]
+        if not has_ckpt and logs and not resume:
+            raise ConfigError("--out", str(self.run_dir), f"a new directory (it holds {logs[0]} of an earlier run and "
+                                                          "no checkpoint: pass --resume to train that run again from "
+                                                          "step 0, or choose another --out)")
         if not has_ckpt:
             if resume and self.parallelism.is_rank0:
                 print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting from step 0", file=sys.stderr)
@@ -306,8 +313,9 @@ class Trainer:
                 print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
                       f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
             if self.nan_run > self.train_config.max_nan_skips:
-                raise RuntimeError(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} (train."
-                                   f"max_nan_skips={self.train_config.max_nan_skips}); lower train.lr or use float32")
+                limit = self.train_config.max_nan_skips
+                raise TrainingStopped(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
+                                      f"(train.max_nan_skips={limit}); lower train.lr or use float32")
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
@@ -417,8 +425,9 @@ class Trainer:
         st, res = self.state, self.result
         ran = st.step - self.start
         if ran and st.nan_total - self.nan_at_start >= ran:
-            raise RuntimeError(f"stopping: all {ran} steps were skipped as non-finite (last step {st.step}); nothing "
-                               "saved: lower train.lr, check the config (e.g. model.norm_eps) or use float32")
+            raise TrainingStopped(f"stopping: all {ran} steps were skipped as non-finite (last step {st.step}); "
+                                  "nothing saved: lower train.lr, check the config (e.g. model.norm_eps) or use "
+                                  "float32")
         if st.step > self.start or not list_checkpoints(self.run_dir):
             self.save()
         self.stop_if_requested()  # before the final evaluation (the checkpoint is on disk)

@@ -79,5 +79,5 @@ def logged_step(line: str) -> int | None:
     """The step of one metrics/eval line; None for a blank or torn line (a crash mid-write)."""
     try:
         return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return None

@@ -48,7 +48,7 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # a torn line, or a nesting bomb in a stranger's run
             continue
         if isinstance(rec, dict) and "step" in rec:
             out.append(rec)

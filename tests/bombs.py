@@ -1,0 +1,172 @@
+"""Resource bombs: small files that cost gigabytes or hours in a reader without limits, and the harness
+that runs a reader on one in a child process under a memory and CPU limit (so a bomb that gets through
+cannot take the machine down). Used by the tests of every bounded reader and by
+``benchmarks/bombs.py`` (before / after measurements, docs/SAFETY.md)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_LIMIT = 2 << 30  # address space of the child (torch alone maps ~0.7 GiB)
+CPU_LIMIT_S = 60
+
+
+# ---- YAML -------------------------------------------------------------------------------------------------
+def billion_laughs(levels: int = 9, width: int = 9) -> str:
+    """``name:`` a list of anchored lists, each level ``width`` aliases of the previous one: width**levels
+    values in ~1 KB. The run's ``name`` must be a string, so an unbounded reader ``repr``'s the whole
+    expansion into its error message."""
+    lines = ["name:", f"  - &l0 [{', '.join(['lol'] * width)}]"]
+    for i in range(1, levels + 1):
+        lines.append(f"  - &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "\n".join(lines) + "\n"
+
+
+def deep_yaml(depth: int = 100_000) -> str:
+    """Sequences nested ``depth`` deep in one line (``- - - ... 1``): the loader's composer recurses once
+    per level."""
+    return "- " * depth + "1\n"
+
+
+# ---- JSON -------------------------------------------------------------------------------------------------
+def deep_json(depth: int = 100_000) -> str:
+    return "[" * depth + "]" * depth
+
+
+# ---- DCP .metadata pickles (raw opcodes) ------------------------------------------------------------------
+def _unicode(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return pickle.BINUNICODE + struct.pack("<I", len(b)) + b
+
+
+def deep_tuple_key(depth: int = 3_000_000) -> bytes:
+    """A dict whose key is a tuple nested ``depth`` deep: hashing it recurses in C without a limit."""
+    return (pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + pickle.TUPLE1 * depth
+            + pickle.NONE + pickle.SETITEM + pickle.STOP)
+
+
+def torch_archive(data_pkl: bytes) -> bytes:
+    """A ``torch.save`` zip archive whose pickle is ``data_pkl`` (what torch.load(weights_only=True) reads)."""
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"step": 1}, buf)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for item in src.infolist():
+            z.writestr(item, data_pkl if item.filename.endswith("/data.pkl") else src.read(item.filename))
+    return out.getvalue()
+
+
+def repeated_path(chars: int = 1 << 20, repeats: int = 1000) -> bytes:
+    """``PurePosixPath(s, s, ..., s)`` with one memoised ``chars``-long string referenced ``repeats``
+    times: a ~1 MB file that joins into a chars * repeats string."""
+    out = io.BytesIO()
+    out.write(pickle.PROTO + b"\x04")
+    out.write(_unicode("pathlib") + pickle.MEMOIZE + _unicode("PurePosixPath") + pickle.MEMOIZE + pickle.STACK_GLOBAL)
+    out.write(_unicode("a" * chars) + pickle.MEMOIZE + pickle.POP)  # memo index 2, off the stack
+    out.write(pickle.MARK + (pickle.BINGET + b"\x02") * repeats + pickle.TUPLE + pickle.REDUCE + pickle.STOP)
+    return out.getvalue()
+
+
+def shared_chunks_metadata(items: int = 20_000, chunks: int = 20_000) -> bytes:
+    """A DCP Metadata whose ``items`` tensors all share one TensorStorageMetadata with one list of
+    ``chunks`` references to a single chunk: a few hundred KB that an unbounded check walks
+    items * chunks times."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    one = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))
+    tsm = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1]), [one] * chunks)
+    md = Metadata(state_dict_metadata={f"t{i}": tsm for i in range(items)}, planner_data={}, storage_data={})
+    return pickle.dumps(md, protocol=4)
+
+
+def aliased_chunks_metadata(md, copies: int):
+    """``md`` (a real DCP Metadata of one tensor ``t``) with ``copies`` more tensors whose storage entries
+    all point at ``t``'s bytes: full tensors of ``copies`` times the data file's size."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    (fqn, tsm), = [(k, v) for k, v in md.state_dict_metadata.items() if type(v) is TensorStorageMetadata]
+    infos = {k.offset: v for k, v in md.storage_data.items() if k.fqn == fqn}
+    for i in range(copies):
+        name = f"{fqn}_alias{i}"
+        md.state_dict_metadata[name] = tsm
+        for c in tsm.chunks:
+            md.storage_data[MetadataIndex(name, c.offsets)] = infos[c.offsets]
+        if md.planner_data is not None:
+            md.planner_data[name] = (*md.planner_data[fqn][:-1], name.rsplit(".", 1)[-1])
+    return md
+
+
+# ---- running a reader on a bomb -----------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    status: int  # exit status; negative: killed by that signal
+    stderr: str
+    stdout: str
+    max_rss_mb: float
+    seconds: float
+
+
+# A small launcher process forks the measured child: a child forked from a large parent (pytest with torch
+# imported) inherits its resident size in ru_maxrss, even across exec; forked from the launcher, the
+# child's peak RSS is its own. The launcher sets the limits in the child and writes its wait4 result.
+_LAUNCHER = """
+import json, os, resource, sys
+memory, cpu_s, result = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[4]])
+_, status, usage = os.wait4(pid, 0)
+with open(result, "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "max_rss_kb": usage.ru_maxrss}, f)
+"""
+
+
+def run_limited(code: str, *, memory: int = MEMORY_LIMIT, cpu_s: int = CPU_LIMIT_S, timeout: float = 120,
+                src: Path | None = None, env: dict[str, str] | None = None) -> Outcome:
+    """Run ``code`` (Python) in a child under RLIMIT_AS = ``memory`` and RLIMIT_CPU = ``cpu_s``, with
+    ``src`` (default: this checkout's ``src``) first on the path; its exit, output, peak RSS and wall time."""
+    child_env = {**os.environ, **(env or {}), "PYTHONPATH": str(src or ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(memory), str(cpu_s), str(result), code],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env,
+                                start_new_session=True)  # its own process group: a timeout ends both processes
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        seconds = time.perf_counter() - t0
+        rec = json.loads(result.read_text()) if result.exists() else {"status": -9, "max_rss_kb": float("nan")}
+    return Outcome(rec["status"], err, out, rec["max_rss_kb"] / 1024, seconds)
+
+
+def cli(args: list[str]) -> str:
+    """Python code that runs ``mhmoe ARGS`` in the child and exits with its status."""
+    return f"import sys\nfrom mhmoe.cli import main\nsys.exit(main({json.dumps(args)}))"

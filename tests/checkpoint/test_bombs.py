@@ -1,0 +1,160 @@
+"""Checkpoint readers against resource bombs: a crafted ``.metadata``, ``trainer_state.pt`` or DCP item of
+a few MB must not crash the interpreter, allocate gigabytes or take minutes (the limits of
+``mhmoe.checkpoint.dcp_metadata`` and ``mhmoe.runtime.bounded.check_torch_archive``).
+
+Each bomb runs in a child process under RLIMIT_AS / RLIMIT_CPU (``tests/bombs.py``); the assertions are
+the outcome (refused with one bounded line naming the file), the child's peak memory and its time.
+Without the limits: the deep key is a SIGSEGV (exit -11), the shared chunk list takes minutes, the
+aliased chunks allocate ``copies`` times the data file before refusing (numbers: docs/SAFETY.md)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from bombs import (
+    aliased_chunks_metadata,
+    deep_tuple_key,
+    repeated_path,
+    run_limited,
+    shared_chunks_metadata,
+    torch_archive,
+)
+
+from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, read_metadata
+from mhmoe.checkpoint.dcp_reader import read_dcp_full
+from mhmoe.errors import MAX_CHARS, CheckpointError
+
+MAX_RSS_MB = 700  # torch and mhmoe take ~320 MB; every bomb below would need more than 1 GB unbounded
+
+
+def _read_in_child(paths: list, reader: str = "read_metadata"):
+    """``reader`` on every path, in one child under the limits; one output line per path."""
+    module = "dcp_metadata" if reader == "read_metadata" else "dcp_reader"
+    code = (f"from mhmoe.checkpoint.{module} import {reader}\nfrom mhmoe.errors import CheckpointError\n"
+            f"for p in {[str(p) for p in paths]!r}:\n    try:\n        {reader}(p)\n"
+            "    except CheckpointError as e:\n        print(e, flush=True)\n"
+            "    else:\n        print('LOADED', flush=True)\n")
+    return run_limited(code, memory=2 << 30, cpu_s=60, timeout=120)
+
+
+def _assert_refused(out, paths: list, whats: list[str]) -> None:
+    assert out.status == 0, (out.status, out.stdout, out.stderr[-2000:])  # not a crash (unbounded: SIGSEGV)
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == len(paths), out.stdout
+    for msg, path, what in zip(lines, paths, whats, strict=True):
+        assert len(msg) <= 2 * MAX_CHARS and str(path) in msg and what in msg, msg
+    assert out.max_rss_mb < MAX_RSS_MB and out.seconds < 60, (out.max_rss_mb, out.seconds)
+
+
+BOMBS = {  # name: (file, what the refusal says)
+    "deep-key": (deep_tuple_key, "nesting deeper than 16 levels"),  # 3 MB: hashing the key recursed to SIGSEGV
+    "path": (repeated_path, "PurePosixPath with arguments beyond the limits"),  # 1 MB: one string 1000 times
+    "shared-chunks": (lambda: shared_chunks_metadata(20_000, 20_000),  # 0.3 MB: 4e8 chunk checks
+                      "more chunks and items than its 0 storage entries"),
+}
+
+
+def test_metadata_bombs_are_refused_within_memory_and_time(tmp_path):
+    paths = []
+    for name, (bomb, _) in BOMBS.items():
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / METADATA_FILE)
+        paths[-1].write_bytes(bomb())
+    _assert_refused(_read_in_child(paths), paths, [what for _, what in BOMBS.values()])
+
+
+@pytest.fixture(scope="module")
+def big_dcp(tmp_path_factory):
+    """A DCP directory holding one 8 MB tensor and one bytes item."""
+    d = tmp_path_factory.mktemp("dcp") / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp.save({"model": {"w": torch.arange(2_000_000, dtype=torch.float32)}, "optim": {"step": 3}},
+                 checkpoint_id=str(d), no_dist=True)
+    return d
+
+
+def test_aliased_chunks_allocate_nothing_beyond_the_data_files(big_dcp, tmp_path):
+    """100 tensors whose entries all point at one 8 MB item (one shared entry, or 100 entries with the
+    same bytes): refused before allocating (the unbounded reader allocated 100 x 8 MB first)."""
+    dirs = []
+    for shared in (True, False):
+        d = tmp_path / f"shared-{shared}"
+        d.mkdir()
+        for f in big_dcp.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        md = aliased_chunks_metadata(read_metadata(big_dcp / METADATA_FILE), copies=100)
+        if not shared:
+            md.storage_data = {k: copy.copy(v) for k, v in md.storage_data.items()}
+        (d / METADATA_FILE).write_bytes(pickle.dumps(md))
+        dirs.append(d)
+    _assert_refused(_read_in_child(dirs, "read_dcp_full"), dirs, ["share one data item", "data items overlap"])
+
+
+def test_the_real_checkpoint_still_loads_exactly(big_dcp):
+    full = read_dcp_full(big_dcp)
+    assert torch.equal(full["model"]["w"], torch.arange(2_000_000, dtype=torch.float32))
+    assert full["optim"] == {"step": 3}
+
+
+def test_limits_leave_room_for_real_metadata(tmp_path):
+    """A metadata with thousands of tensors, long names and 64-dim sizes is read (limits are structural,
+    not a size cap on honest files)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sdm, storage = {}, {}
+    for i in range(3000):
+        fqn = f"model.blocks.{i}.ffn.experts." + "w" * 200
+        size = torch.Size([1] * 63 + [4])
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
+                                         [ChunkStorageMetadata(torch.Size([0] * 64), size)])
+        storage[MetadataIndex(fqn, torch.Size([0] * 64))] = _StorageInfo("__0_0.distcp", 16 * i, 16)
+    path = tmp_path / METADATA_FILE
+    path.write_bytes(pickle.dumps(Metadata(sdm, planner_data={k: (k,) for k in sdm}, storage_data=storage)))
+    assert len(read_metadata(path).state_dict_metadata) == 3000
+    path.write_bytes(pickle.dumps(Metadata(sdm, planner_data={k: (k,) * 65 for k in sdm}, storage_data=storage)))
+    with pytest.raises(CheckpointError, match="key path of at most 64 parts"):
+        read_metadata(path)
+
+
+def test_a_trainer_state_with_a_deep_key_is_refused_not_a_crash(tmp_path):
+    """torch.load(weights_only=True) builds a 300,000-deep tuple key and crashes hashing it (SIGSEGV):
+    the archive's pickle is walked first and refused; the checkpoint falls back like a damaged one."""
+    import json
+
+    from mhmoe.checkpoint import save_checkpoint
+    from mhmoe.config.model import ModelConfig
+    from mhmoe.config.run import RunConfig
+    from mhmoe.config.train import TrainConfig
+    from mhmoe.data.tokenizer import ByteTokenizer
+    from mhmoe.model.lm import LM
+
+    cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=4, d_ff=32, max_seq_len=16)
+    run = RunConfig(model=cfg, train=TrainConfig(seq_len=16))
+    ck = save_checkpoint(tmp_path / "run", 1, LM(cfg), run, ByteTokenizer(), {"step": 1})
+    bomb = torch_archive(deep_tuple_key(300_000))
+    (ck / "trainer_state.pt").write_bytes(bomb)
+    meta = json.loads((ck / "meta.json").read_text())
+    import hashlib
+
+    meta["files"]["trainer_state.pt"] = {"sha256": hashlib.sha256(bomb).hexdigest(), "bytes": len(bomb)}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    code = ("from mhmoe.train.checkpoint import load_checkpoint\nfrom mhmoe.errors import CheckpointError\n"
+            f"try:\n    load_checkpoint({str(ck)!r})\nexcept CheckpointError as e:\n    print(e)\n")
+    out = run_limited(code, memory=2 << 30, cpu_s=60)
+    msg = out.stdout.strip()
+    assert out.status == 0, (out.status, out.stderr[-2000:])
+    assert "trainer_state.pt cannot be loaded" in msg and "nested deeper than 64 levels" in msg, msg
+    assert out.max_rss_mb < MAX_RSS_MB, out.max_rss_mb
