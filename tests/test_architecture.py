@@ -23,8 +23,10 @@ LAYERS = [
     ("parallel",), ("research", "integrations"), ("cli",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
-TOP = {"mhmoe", "mhmoe.__main__"}  # the public API and `python -m mhmoe` may import anything
-OPTIONAL = {"mhmoe.integrations.hf": "transformers", "mhmoe.integrations.lmeval": "lm_eval"}
+# the public API, `python -m mhmoe` and the deprecated aliases of moved public modules may import anything
+TOP = {"mhmoe", "mhmoe.__main__", "mhmoe.hf", "mhmoe.lmeval"}
+OPTIONAL = {"mhmoe.integrations.hf": "transformers", "mhmoe.integrations.lmeval": "lm_eval", "mhmoe.hf": "transformers",
+            "mhmoe.lmeval": "lm_eval"}
 
 
 def module_name(path: Path) -> str:
