@@ -48,12 +48,13 @@ DEMO_OUT ?= runs/demo$(if $(STEPS),-$(STEPS)steps)
 demo: install system-deps
 	$(BIN)/mhmoe compare --presets tiny-dense tiny-smoe tiny-mh3 --out $(DEMO_OUT) $(if $(STEPS),--max-steps $(STEPS))
 
-## The test suite (what CI runs).
+## The test suite (what CI runs), in TEST_WORKERS processes (pytest-xdist; every test uses one thread).
+TEST_WORKERS ?= 2
 test: install system-deps
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 test-all: install system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 ## The suite on the newest versions pyproject.toml allows (a fresh $(LATEST_VENV); torch stays $(TORCH)):
 ## how to see dependency drift coming. `make lock` then pins what passed into $(LOCK).
@@ -65,7 +66,7 @@ test-latest: system-deps
 	$(LATEST_VENV)/bin/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
 	$(LATEST_VENV)/bin/python -m pip check
 	$(LATEST_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -iE "^(torch|transformers|numpy|triton)=="
-	$(LATEST_VENV)/bin/python -m pytest -q -m "not slow"
+	$(LATEST_VENV)/bin/python -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 lock: test-latest
 	$(LATEST_VENV)/bin/python scripts/write_lock.py $(LATEST_VENV)/bin/python $(LOCK)
