@@ -156,5 +156,5 @@ def test_icml_routing_dimension_is_16_over_h():
     assert dims == {"X-MoE": 16, "MH-MoE h=2": 8, "MH-MoE h=4": 4, "MH-MoE h=6": 3, "MH-MoE h=8": 2,
                     "MH-MoE h=12": 1}
     no_ts = {row.label: row.build("tiny").model.moe.router_dim for row in reproduce.suite_rows("icml-table6")}
-    assert no_ts["MH-MoE w/o TS"] == 16 and no_ts["MH-MoE"] == 4
+    assert no_ts["X-MoE w/ MLP = MH-MoE w/o TS"] == 16 and no_ts["MH-MoE"] == 4
     assert get_preset("tiny-icml-mh4-8").with_overrides(["model.moe.router_dim=16"]).model.moe.router_dim == 16

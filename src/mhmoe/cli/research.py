@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _add_reproduce(sub) -> None:
-    from mhmoe.research.reproduce import SUITE_SCALES, SUITES
+    from mhmoe.research.suites import SUITE_SCALES, SUITES
 
     p = sub.add_parser("reproduce",
                        description="Train and evaluate the rows of a paper table into OUT/<row>/seed<k>/ and write "
