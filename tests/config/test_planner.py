@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.cli import main
 from mhmoe.config.moe import MoEConfig
-from mhmoe.config.planner import count_layer, plan
+from mhmoe.config.planner import count_layer, format_plan, plan
 from mhmoe.errors import ConfigError
 from mhmoe.moe.layers import build_ffn_layer
 
@@ -106,3 +106,18 @@ def test_cli_plan_json_and_errors(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "heads" in err
     assert main(["plan"]) == 0 and "FLOPs ratio" in capsys.readouterr().out
+
+
+def test_plan_reports_the_ratios_with_and_without_the_router():
+    p = plan(768, 2048, 8, 1, "swiglu", heads=3)
+    assert p.flops_ratio == p.flops_ratio_without_router and p.params_ratio == p.params_ratio_without_router
+    # h=3 routes 3 sub-tokens of width 256 over 93 experts: 3 * 93 * (2 * 256 - 1) router FLOPs per token
+    # against the baseline's 8 * (2 * 768 - 1), on ~9.4M expert FLOPs
+    router_mh, router_base = 3 * 93 * (2 * 256 - 1), 8 * (2 * 768 - 1)
+    expect = (p.mhmoe.flops_per_token + router_mh) / (p.baseline.flops_per_token + router_base)
+    assert p.flops_ratio_with_router == pytest.approx(expect) and p.flops_ratio_with_router > 1.012
+    assert p.params_ratio_with_router == pytest.approx((p.mhmoe.params + 256 * 93) / (p.baseline.params + 768 * 8))
+    text = format_plan(p)
+    assert "router included: FLOPs ratio 1.01293" in text
+    q = plan(768, 2048, 8, 1, "swiglu", heads=3, include_router=True)
+    assert q.flops_ratio == q.flops_ratio_with_router and "router left out" in format_plan(q)

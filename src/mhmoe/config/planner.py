@@ -112,6 +112,12 @@ class Plan:
     beta: float
     flops_ratio: float
     params_ratio: float
+    # the same two layers counted with and without the router's own matmul and weights (d/h x E per
+    # sub-token); one pair equals flops_ratio / params_ratio, depending on include_router
+    flops_ratio_with_router: float = 1.0
+    params_ratio_with_router: float = 1.0
+    flops_ratio_without_router: float = 1.0
+    params_ratio_without_router: float = 1.0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -203,11 +209,19 @@ def plan(d_model: int, d_ff: int, experts: int, top_k: int = 1, ffn: str = "swig
     # report the parity solutions even for fixed values: how far a given configuration is from them
     f_exact = solve_f(e_int) if parity == "flops" else solve_f_params(e_int)
     mh = count(f_int, e_int)
+    ratios = {}
+    for with_router in (True, False):
+        kw = dict(common, include_router=with_router)
+        b_r = count_layer(d_model, d_ff, experts, top_k, heads=1, **kw)
+        m_r = count_layer(d_model, f_int, e_int, k_h, heads=heads, head_merge_mats=mats, **kw)
+        tag = "with" if with_router else "without"
+        ratios[f"flops_ratio_{tag}_router"] = m_r.flops_per_token / b_r.flops_per_token
+        ratios[f"params_ratio_{tag}_router"] = m_r.params / b_r.params
     return Plan(
         d_model=d_model, ffn=ffn, parity=parity, match=match, include_router=include_router,
         baseline=base, mhmoe=mh, d_ff_exact=f_exact, experts_exact=e_exact,
         beta=f_int / (heads * d_ff), flops_ratio=mh.flops_per_token / base.flops_per_token,
-        params_ratio=mh.params / base.params,
+        params_ratio=mh.params / base.params, **ratios,
     )
 
 
@@ -248,4 +262,8 @@ def format_plan(p: Plan) -> str:
     lines += [f"{a:<{w0}}  {bb:>{w1}}  {c}" for a, bb, c in rows]
     lines.append(f"FLOPs ratio {p.flops_ratio:.5f}   params ratio {p.params_ratio:.5f}"
                  + (f"   beta {p.beta:.5f}" if p.parity == "params" else ""))
+    lines.append(f"  router {'left out' if p.include_router else 'included'}: FLOPs ratio "
+                 f"{p.flops_ratio_without_router if p.include_router else p.flops_ratio_with_router:.5f}   "
+                 f"params ratio {p.params_ratio_without_router if p.include_router else p.params_ratio_with_router:.5f}"
+                 f"  (the router: d/h x E per sub-token)")
     return "\n".join(lines)
