@@ -78,6 +78,12 @@ STEPS: list[Step] = [
          "fp32 training throughput (auto: the Triton path, sync-free)"),
     Step("triton_bench", (PY, "benchmarks/triton_moe.py", "--bench", "--json", "{results}/triton_moe_bf16.json"), 420,
          ("triton_moe_bf16.json",), "Triton kernels (act_bwd + dx and act_dx) vs grouped_mm vs sorted"),
+    Step("reproduce_v2_table1", (PY, "-m", "mhmoe", "reproduce", "v2-table1", "--device", "cuda", "--minutes", "20",
+                                 "--seeds", "3", "--out", "{results}/reproduce-v2-table1", "--no-progress",
+                                 "--set", "train.dtype=bfloat16", "--set", "train.batch_size=64"),
+         470, ("reproduce-v2-table1/summary.json", "reproduce-v2-table1/budget.json"),
+         "v2 Table 1 at a 20-minute H100 budget (3 seeds; calibrated tokens per run): about 3 calls, each "
+         "resumes the suite where the last one was stopped"),
     Step("traffic_model", (PY, "benchmarks/traffic_model.py", "--json", "{results}/traffic_model.json"), 60,
          ("traffic_model.json",), "the traffic model's predictions, to set beside the measurements"),
 ]
@@ -139,6 +145,7 @@ def run_step(step: Step, results: Path, out: Path | None = None, env: dict[str, 
         out.mkdir(parents=True, exist_ok=True)
         for name in (*step.outputs, log.name, _status_path(results, step).name):
             if (results / name).exists():
+                (out / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(results / name, out / name)
     return status
 

@@ -20,6 +20,11 @@ def _add_reproduce(sub) -> None:
     p.add_argument("--scale", default="tiny", choices=list(SUITE_SCALES), help="model size of every row")
     p.add_argument("--seeds", type=int, default=1, help="seeds per row (seed k trains with train.seed + k)")
     p.add_argument("--tokens", type=int, help="training token budget per run (default: the preset's)")
+    p.add_argument("--minutes", type=float, help="wall-clock budget of the whole suite instead of --tokens: every "
+                   "run gets the same tokens, calibrated by timing each row's training steps here "
+                   "(OUT/budget.json; default: none)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device of every run (default: the "
+                   "preset's, cpu)")
     p.add_argument("--out", metavar="DIR", help="suite directory (default: runs/reproduce/SUITE-SCALE)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run (repeatable; "
                    "default: none)")
@@ -36,8 +41,9 @@ def _run_reproduce(args: argparse.Namespace) -> int:
 
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
-    run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=args.set,
-               progress=not args.no_progress, train_missing=not args.report_only, only=args.rows)
+    overrides = ([f"train.device={args.device}"] if args.device else []) + list(args.set or [])
+    run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=overrides,
+              progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
 

@@ -67,11 +67,13 @@ def _run_dir(out: Path, label: str, seed: int) -> Path:
 
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, tokens: int | None = None,
               overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True,
-              only: list[str] | None = None) -> list[dict]:
+              only: list[str] | None = None, minutes: float | None = None) -> list[dict]:
     """Train (or reuse) every row x seed of suite ``name``; write results.csv/md, summary.json and curves.png.
 
     ``train_missing=False`` trains nothing and reports the runs that already finished (an error if none).
     ``only``: the labels of the rows to train and report (default: every row).
+    ``minutes``: instead of ``tokens``, the wall-clock budget of the whole suite; every run gets the same
+    token count, calibrated on this machine (:mod:`mhmoe.research.budget`, ``OUT/budget.json``).
     """
     from mhmoe.train.loop import train
 
@@ -83,9 +85,19 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
     results = []
     rows = select_rows(name, only)
     built = [(row, row.build(scale)) for row in rows]
+    budget = None
+    if minutes is not None:
+        if tokens:
+            raise ConfigError("--tokens", tokens, "no --tokens with --minutes (the budget sets the tokens)")
+        from mhmoe.research.budget import suite_budget
+
+        runs = {row.label: base.with_overrides(list(overrides or [])) for row, base in built}
+        budget = suite_budget(out, name, runs, seeds, minutes)
+        tokens = budget["tokens_per_run"]
     for seed in range(seeds):  # seed-major: an interrupted suite has whole seeds of every row
         for row, base in built:
-            steps = max(1, tokens // base.train.tokens_per_step) if tokens else base.train.max_steps
+            step_tokens = base.with_overrides(list(overrides or [])).train.tokens_per_step  # after --set
+            steps = max(1, tokens // step_tokens) if tokens else base.train.max_steps
             # 4 validation points per run for the curves (before user overrides, which win)
             sets = [f"train.eval_every={max(1, steps // 4)}", f"train.max_steps={steps}"]
             sets += list(overrides or []) + [f"train.seed={base.train.seed + seed}"]
@@ -106,7 +118,7 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int = 1, t
                             **res})
     if not results:
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
-    write_outputs(name, rows, results, out)
+    write_outputs(name, rows, results, out, budget)
     return results
 
 
@@ -138,7 +150,7 @@ def _check_same_run(run_dir: Path, run: RunConfig) -> None:
                               f"{old.get(key)!r} there, {new.get(key)!r} now); use another --out")
 
 
-def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) -> None:
+def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path, budget: dict | None = None) -> None:
     sets = sorted({k for r in results for k in r["eval"]}, key=lambda s: (s != "kjv", s))
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
@@ -166,7 +178,13 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path) ->
     lines += ["", f"Seeds: {n_seeds}. Ours: validation perplexity (mean ± std over seeds) on our corpora; "
               "paper: its reported perplexity on its own data and scale -- compare orderings, not values."]
     lines += [f"Note: {row.note}" for row in rows if row.note]
+    if budget:
+        lines.append(f"Budget: {budget['minutes']:g} minutes for {budget['seeds']} seed(s) x {len(budget['rows'])} "
+                     f"rows on {', '.join(budget['device'])} -> {budget['tokens_per_run']:,} tokens per run "
+                     "(calibrated; budget.json).")
     summary = summarize_results(name, rows, results, sets)
+    if budget:
+        summary["budget"] = budget
     lines += [""] + separated_lines(summary["comparisons"])
     atomic_write(out / "results.md", "\n".join(lines) + "\n")
     write_json(results, out / "results.json", name, {"paper": {row.label: row.paper for row in rows}})

@@ -228,7 +228,7 @@ SUITES: dict[str, list[Row]] = {
         Row("MH-MoE (32 experts)", _icml(4, 32), {"Perplexity": 10.28}, "icml-32"),
     ],
 }
-SUITE_SCALES = ("tiny", "small", "paper")
+SUITE_SCALES = ("tiny", "paper")
 
 
 # ---- ICML Table 1's multilingual and masked multi-modal blocks (docs/ICML-SETTINGS.md) ----------------

@@ -24,22 +24,16 @@ WARMUP = 1  # untimed rounds (first-touch allocations, optimizer state)
 ROUNDS = 3  # timed rounds: each model's median step over these
 
 
-def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
-    """(one training step of the run's final model, tokens per step, dtype) on ``device``."""
-    import dataclasses
-
+def training_step(run: Any, model: Any, objective: Any, device: Any) -> Callable[[], None]:
+    """One training step of ``model`` (train mode) as the trainer takes it: the objective's first micro-batch,
+    forward in the run's dtype, backward, gradient clipping and an AdamW step (synchronised on CUDA)."""
     import torch
 
     from mhmoe.runtime.device import autocast_ctx
-    from mhmoe.train.checkpoint import load_latest
-    from mhmoe.train.objectives import build_objective
     from mhmoe.train.optim import build_optimizer
 
-    ck = load_latest(run_dir, device)
-    run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
     cfg = run.train
-    objective = build_objective(run, tokenizer=ck.tokenizer)
-    model = ck.model.train()
+    model.train()
     opt = build_optimizer(model, cfg)
     batch = objective.micro_batch(0, 0, device)
 
@@ -53,7 +47,34 @@ def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return step, cfg.batch_size * cfg.seq_len, cfg.dtype
+    return step
+
+
+def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
+    """(one training step of the run's final model, tokens per step, dtype) on ``device``."""
+    import dataclasses
+
+    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.train.objectives import build_objective
+
+    ck = load_latest(run_dir, device)
+    run = dataclasses.replace(ck.run, data=dataclasses.replace(ck.run.data, cache_dir=""))
+    objective = build_objective(run, tokenizer=ck.tokenizer)
+    step = training_step(run, ck.model, objective, device)
+    return step, run.train.batch_size * run.train.seq_len, run.train.dtype
+
+
+def round_robin(steps: dict[str, Callable[[], None]], rounds: int = ROUNDS, warmup: int = WARMUP) -> dict[str, float]:
+    """Median seconds per call of each step function, called round-robin (A, B, C, A, B, C, ...) after
+    ``warmup`` untimed rounds, so that machine load falls on every candidate alike."""
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for r in range(warmup + rounds):
+        for label, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            if r >= warmup:
+                times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(ts) for label, ts in times.items()}
 
 
 def timed_throughput(run_dirs: dict[str, Path], rounds: int = ROUNDS, device: str = "cpu",
@@ -70,17 +91,11 @@ def timed_throughput(run_dirs: dict[str, Path], rounds: int = ROUNDS, device: st
         torch.set_num_threads(threads)
     try:
         steps = {label: _step_fn(Path(d), dev) for label, d in run_dirs.items()}
-        times: dict[str, list[float]] = {label: [] for label in steps}
-        for r in range(WARMUP + rounds):
-            for label, (step, _, _) in steps.items():
-                t0 = time.perf_counter()
-                step()
-                if r >= WARMUP:
-                    times[label].append(time.perf_counter() - t0)
+        median = round_robin({label: fn for label, (fn, _, _) in steps.items()}, rounds)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(old_threads)
-    tps = {label: steps[label][1] / statistics.median(ts) for label, ts in times.items()}
+    tps = {label: steps[label][1] / median[label] for label in steps}
     return {"rounds": rounds, "warmup": WARMUP, "device": str(dev), "threads": used, "tokens_per_s": tps}
 
 
