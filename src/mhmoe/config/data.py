@@ -9,7 +9,8 @@ from mhmoe.config.fields import check_types, is_int
 from mhmoe.errors import ConfigError
 
 MIN_BPE_VOCAB = 257  # 256 byte symbols + EOS
-TOKENIZERS: tuple[str, ...] = ("bpe", "gpt2", "cl100k_base", "byte")
+Tokenizer = Literal["bpe", "gpt2", "cl100k_base", "byte"]
+TOKENIZERS: tuple[str, ...] = get_args(Tokenizer)
 MAX_BPE_VOCAB = 1 << 20
 # lm: next-token prediction on a text corpus (model.arch=decoder); masked_mm: masked multi-modal
 # modelling on images + text (model.arch=encoder; mhmoe.data.multimodal, docs/ICML-SETTINGS.md)
@@ -25,7 +26,7 @@ class DataConfig:
 
     corpus: str = "kjv"  # registry name (kjv, pydocs, wordnet, manpages, man-<lang>) or a path (file/dir/jsonl/parquet)
     jsonl_field: str = "text"  # text field of .jsonl rows / .parquet column
-    tokenizer: str = "bpe"  # bpe | gpt2 | cl100k_base | byte
+    tokenizer: Tokenizer = "bpe"  # bpe | gpt2 | cl100k_base | byte
     vocab_size: int = 8192  # for bpe
     val_sets: tuple[str, ...] = ("kjv", "pydocs", "wordnet")  # extra cross-domain validation corpora
     val_tokens: int = 65536  # cap of tokens per validation set
@@ -41,12 +42,10 @@ class DataConfig:
         if isinstance(self.val_sets, (list, str)):
             self.val_sets = (self.val_sets,) if isinstance(self.val_sets, str) else tuple(self.val_sets)
         check_types(self, "data.")
-        for name in ("corpus", "jsonl_field", "tokenizer"):
+        for name in ("corpus", "jsonl_field"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"data.{name}", value, "a non-empty string")
-        if self.tokenizer not in TOKENIZERS:
-            raise ConfigError("data.tokenizer", self.tokenizer, " | ".join(TOKENIZERS))
         if not is_int(self.vocab_size) or not MIN_BPE_VOCAB <= self.vocab_size <= MAX_BPE_VOCAB:
             raise ConfigError(
                 "data.vocab_size", self.vocab_size, f"integer in {MIN_BPE_VOCAB}..{MAX_BPE_VOCAB}"
