@@ -19,6 +19,7 @@ from mhmoe.errors import ConfigError
 FFNType = Literal["swiglu", "relu"]
 Router = Literal["softmax", "xmoe", "noisy", "sigmoid", "expert_choice"]
 XMoEGate = Literal["softmax", "sigmoid"]
+XMoEReading = Literal["paper", "code"]
 Residual = Literal["block", "subtoken"]
 Kind = Literal["dense", "moe"]
 Impl = Literal["auto", "padded", "fused", "chunked", "sorted", "grouped_mm", "triton", "loop"]
@@ -27,6 +28,7 @@ BiasInit = Literal["torch", "zero"]
 EntropyMode = Literal["token", "batch"]
 Quant = Literal["none", "bitnet158"]
 FFN_TYPES, ROUTERS, XMOE_GATES, RESIDUALS, KINDS = (get_args(t) for t in (FFNType, Router, XMoEGate, Residual, Kind))
+XMOE_READINGS = get_args(XMoEReading)
 IMPLS, CAPACITY_PRIORITIES, BIAS_INITS, ENTROPY_MODES, QUANTS = (
     get_args(t) for t in (Impl, CapacityPriority, BiasInit, EntropyMode, Quant))
 
@@ -56,6 +58,15 @@ class MoEConfig:
     router_dim: int = 16  # X-MoE low-dimensional routing space
     xmoe_gate: XMoEGate = "softmax"  # X-MoE gate: softmax (tau0=0.3) | sigmoid (tau0=0.07)
     router_temperature: float = 0.0  # 0 -> 0.3 for softmax gating, 0.07 for sigmoid gating
+    # which X-MoE (router="xmoe"): "paper" = the papers' text (token and expert embeddings L2-normalised,
+    # learnable temperature, top_k slots, capacity_factor, balance loss over every chosen slot);
+    # "code" = the authors' code (torchscale xmoe/routing.py Top2Gate with use_xmoe, docs/PAPERS.md):
+    # only the expert embeddings are normalised (kept at norm 1.5), no temperature; top-2 with the
+    # gates normalised over the two before any drop, the second expert kept with probability 2*g2
+    # in training (eval: its weight times 2*g2, the expectation; deterministic); training capacity
+    # top_k*ceil(S/E) with drops in capacity_priority order; balance loss on first choices only.
+    # Needs top_k=2, xmoe_gate=softmax, capacity_factor=None, renormalize=None.
+    xmoe_reading: XMoEReading = "paper"
     noise_std: float = 1.0  # noisy top-k: scale of the learned softplus noise
     aux_free_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing bias (choice only)
     bias_update_rate: float = 1e-3
@@ -116,6 +127,14 @@ class MoEConfig:
             check(getattr(self, name) >= 0, name, getattr(self, name), "a float >= 0")
         check(self.heads >= 1, "heads", self.heads, "an integer >= 1")
         check(0 <= self.mlp_layers <= 3, "mlp_layers", self.mlp_layers, "0..3")
+        if self.xmoe_reading == "code":
+            check(self.router == "xmoe", "xmoe_reading", "code", "paper unless router=xmoe")
+            check(self.top_k == 2, "top_k", self.top_k, "2 with xmoe_reading=code (the authors' top-2 gate)")
+            check(self.xmoe_gate == "softmax", "xmoe_gate", self.xmoe_gate, "softmax with xmoe_reading=code")
+            check(self.capacity_factor is None, "capacity_factor", self.capacity_factor,
+                  "None with xmoe_reading=code (training capacity is top_k*ceil(S/E))")
+            check(self.renormalize is None, "renormalize", self.renormalize,
+                  "null with xmoe_reading=code (gates are normalised before the drops)")
         if self.router == "expert_choice":
             check(not self.aux_free_bias, "aux_free_bias", True, "False with router=expert_choice")
 
@@ -138,10 +157,16 @@ class MoEConfig:
         if self.router == "expert_choice":  # experts pick tokens over the whole batch
             routers = " | ".join(r for r in ROUTERS if r != "expert_choice")
             bad.append(("router", self.router, f"{routers} (expert choice reads later tokens)"))
-        has_capacity = self.capacity_factor is not None or self.eval_capacity_factor is not None
+        has_capacity = (self.capacity_factor is not None or self.eval_capacity_factor is not None
+                        or self.xmoe_code)
         if has_capacity and self.capacity_priority != "causal":
             bad.append(("capacity_priority", self.capacity_priority, "causal (gshard priority reads later tokens)"))
         return bad
+
+    @property
+    def xmoe_code(self) -> bool:
+        """True for the X-MoE router in the authors' code reading (``xmoe_reading="code"``)."""
+        return self.kind == "moe" and self.router == "xmoe" and self.xmoe_reading == "code"
 
     @property
     def temperature_init(self) -> float:

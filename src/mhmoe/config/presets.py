@@ -12,6 +12,8 @@ scaled down for a 2-core CPU, d=192, 4 layers):
 - ``icml-xmoe-E`` / ``icml-mh4-E`` (E = 8, 32): the ICML paper's setting -- X-MoE router, ReLU
   experts of width 4d, top-2; MH-MoE with h=4 at *parameter* parity (expert width beta*h*4d). The
   X-MoE routing space is 16-dim, MH-MoE's 16/h (ICML Table 9; :func:`icml_router_dim`).
+  ``icml-xmoe-E-code`` / ``icml-mh4-E-code``: the same under the authors' code reading of X-MoE
+  (``xmoe_reading=code``: routing dimension 16 for every h, expert biases; docs/PAPERS.md).
 - ``*-bitnet`` (dense, smoe, fgmoe, mh2, mh3): the same models trained with BitNet b1.58
   quantization (``model.quant=bitnet158``, v2 paper Table 3) and the BitNet schedule defaults:
   peak lr 2x the full-precision one, lr halved at the halfway point (``lr_stage2_ratio=0.5``),
@@ -87,9 +89,19 @@ def icml_router_dim(heads: int, token_split: bool = True) -> int:
     return max(1, round(16 / heads)) if token_split else 16
 
 
-def icml_moe_config(scale: str, heads: int, experts: int) -> MoEConfig:
+def icml_moe_config(scale: str, heads: int, experts: int, reading: str = "paper") -> MoEConfig:
+    """The ICML setting's FFN: X-MoE (``heads=1``) or MH-MoE (head/merge layers, parameter parity).
+
+    ``reading="paper"``: the papers' text (routing dimension 16/h, temperature, bias-free experts).
+    ``reading="code"``: the authors' code (``MoEConfig.xmoe_reading="code"``; docs/PAPERS.md): routing
+    dimension 16 for every h (the MH-MoE code builds the gate with ``Linear(d/h, 16)``) and experts with
+    biases (torchscale's ``FeedForwardNetwork`` uses ``nn.Linear``)."""
+    if reading not in ("paper", "code"):
+        raise ConfigError("reading", reading, "paper | code")
     d = SCALES[scale]["d_model"]
     common = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts, router_dim=icml_router_dim(heads))
+    if reading == "code":
+        common.update(router_dim=16, xmoe_reading="code", expert_bias=True)
     if heads == 1:
         return MoEConfig(d_expert=4 * d, **common)
     p = plan(d, 4 * d, experts, 2, "relu", heads=heads, parity="params")
@@ -166,6 +178,9 @@ def _registry() -> dict[str, Callable[[], RunConfig]]:
         for e in (8, 32):
             reg[f"{scale}-icml-xmoe-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-xmoe-{e}", s, icml_moe_config(s, 1, e))
             reg[f"{scale}-icml-mh4-{e}"] = lambda s=scale, e=e: _run(f"{s}-icml-mh4-{e}", s, icml_moe_config(s, 4, e))
+            for h, v in ((1, "xmoe"), (4, "mh4")):  # the authors' code reading (docs/PAPERS.md)
+                reg[f"{scale}-icml-{v}-{e}-code"] = lambda s=scale, e=e, h=h, v=v: _run(
+                    f"{s}-icml-{v}-{e}-code", s, icml_moe_config(s, h, e, "code"))
         for setting in ("ml", "mm"):
             reg[f"{scale}-icml-{setting}-dense"] = lambda s=scale, t=setting: icml_setting_run(s, t, 1, 0)
             for e in (8, 32):

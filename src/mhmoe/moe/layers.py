@@ -119,7 +119,10 @@ class MoELayer(nn.Module):
 
     def capacity(self, n_tokens: Tensor) -> Tensor | None:
         """Per-expert capacity for this forward, a 0-dim device tensor (None = dropless; no host sync).
-        ``n_tokens``: 0-dim count of routed (sub-)tokens. Expert choice handles its own."""
+        ``n_tokens``: 0-dim count of routed (sub-)tokens. Expert choice handles its own. The X-MoE code
+        reading trains with ``top_k * ceil(S / E)`` (S = routed (sub-)tokens)."""
+        if self.cfg.xmoe_code and self.training:  # routing.py top2gating: capacity = 2 * ceil(S / E)
+            return torch.ceil(n_tokens.double() / self.cfg.n_experts).long() * self.cfg.top_k
         cf = self.cfg.capacity_factor if self.training else self.cfg.eval_capacity_factor
         if cf is None or self.cfg.router == "expert_choice":
             return None
@@ -164,9 +167,12 @@ class MoELayer(nn.Module):
         )
 
     def router_losses(self, route: RouterOutput, chosen: Tensor) -> dict[str, Tensor]:
-        """Unweighted aux losses over the routed (sub-)tokens; ``chosen`` = slots before drops."""
+        """Unweighted aux losses over the routed (sub-)tokens; ``chosen`` = slots before drops. The X-MoE
+        code reading counts first choices only in the balance loss (routing.py: ``ce = mean(mask1)``)."""
+        experts = route.experts[:, :1] if self.cfg.xmoe_code else route.experts
+        chosen = chosen[:, :1] if self.cfg.xmoe_code else chosen
         return {
-            "balance": load_balancing_loss(route.probs, route.experts, chosen, route.token_mask),
+            "balance": load_balancing_loss(route.probs, experts, chosen, route.token_mask),
             "z": router_z_loss(route.logits, route.token_mask),
             "entropy": entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode),
         }

@@ -148,20 +148,46 @@ class NoisyTopKRouter(Router):
 
 
 class XMoERouter(Router):
-    """X-MoE (Chi et al. 2022): project to a low dimension, L2-normalise token and expert embeddings,
-    cosine scores divided by a learnable temperature; softmax or sigmoid gate."""
+    """X-MoE (Chi et al. 2022): project to a low dimension, cosine-style scores against expert embeddings;
+    softmax or sigmoid gate. Two readings (``MoEConfig.xmoe_reading``, docs/PAPERS.md):
+
+    - ``paper``: token and expert embeddings L2-normalised, scores divided by a learnable temperature;
+      top-k of the gate like every router.
+    - ``code`` (torchscale ``xmoe/routing.py``, ``Top2Gate`` with ``use_xmoe``): only the expert
+      embeddings are normalised (the stored ones are rescaled to norm 1.5 before each training
+      forward), no temperature; see :meth:`forward_code` for the top-2 gate.
+
+    ``generator`` (optional ``torch.Generator`` on the input's device): the source of the code
+    reading's second-expert coin flips in training; None = the global RNG.
+    """
+
+    EMBED_NORM = 1.5  # routing.py Top2Gate.forward: self.wg.mul_(1.5 / wg_norm)
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__(d_in, cfg)
+        self.code = cfg.xmoe_code
         self.proj = nn.Linear(d_in, cfg.router_dim, bias=False)
         self.expert_embed = nn.Parameter(torch.empty(cfg.n_experts, cfg.router_dim))
-        self.temperature = nn.Parameter(torch.tensor(float(cfg.temperature_init)))
         self.gate_kind = cfg.xmoe_gate
-        nn.init.normal_(self.proj.weight, std=cfg.init_std)
+        self.generator: torch.Generator | None = None
+        if self.code:  # nn.Linear's default init (wg_reduction); no temperature; normalise before drops only
+            self.temperature = None
+            self.renormalize = False
+        else:
+            self.temperature = nn.Parameter(torch.tensor(float(cfg.temperature_init)))
+            nn.init.normal_(self.proj.weight, std=cfg.init_std)
         nn.init.orthogonal_(self.expert_embed, gain=0.32)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        z = F.normalize(x @ self.proj.weight.float().t(), dim=-1)
+        z = x @ self.proj.weight.float().t()
+        if self.code:
+            if self.training:  # keep the stored embeddings at norm 1.5, as the code does (no host sync)
+                with torch.no_grad():
+                    self.expert_embed.mul_(self.EMBED_NORM / self.expert_embed.norm(dim=1, keepdim=True))
+            logits = z @ F.normalize(self.expert_embed.float(), dim=-1, eps=1e-4).t()
+            probs = logits.softmax(-1)
+            return logits, probs, probs
+        z = F.normalize(z, dim=-1)
         e = F.normalize(self.expert_embed.float(), dim=-1)
         logits = (z @ e.t()) / self.temperature.float().clamp_min(1e-2)
         if self.gate_kind == "softmax":
@@ -169,6 +195,37 @@ class XMoERouter(Router):
             return logits, probs, probs
         gate = torch.sigmoid(logits)
         return logits, gate, gate / gate.sum(-1, keepdim=True)
+
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        return self.forward_code(x, token_mask) if self.code else super().forward(x, token_mask)
+
+    def forward_code(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
+        """The authors' top-2 gate (routing.py ``top2gating``, ``second_expert_policy="random"``,
+        ``normalize_gate_prob_before_dropping=True``). x: [S, D_in]; K = 2 slots.
+
+        The two chosen gates are divided by their sum (g1 + g2 = 1); in training the second slot is
+        kept where ``2 * g2 > u``, u ~ U[0, 1) per token (dropped slots take no capacity), and the
+        kept weights are *not* renormalised afterwards (a token whose second slot is dropped, here or
+        by capacity, gets g1 * Expert1). In eval the second slot is always dispatched with weight
+        ``g2 * min(1, 2 * g2)``, its expected training weight (the code flips coins in eval too).
+        """
+        S = x.shape[0]
+        if token_mask is None:
+            token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits, gate, probs = self.scores(x.float())
+            top, experts = torch.topk(gate, 2, dim=-1)
+            weights = top / top.sum(-1, keepdim=True).clamp_min(torch.finfo(top.dtype).eps)
+            keep2 = (2 * weights[:, 1]).clamp_max(1.0)  # probability of keeping the second expert
+            valid = token_mask[:, None].expand(S, 2).clone()
+            if self.training:
+                u = torch.rand(S, generator=self.generator, device=x.device)
+                valid[:, 1] &= 2 * weights[:, 1] > u
+            else:
+                weights = torch.stack([weights[:, 0], weights[:, 1] * keep2], dim=-1)
+        weights = weights * valid
+        return RouterOutput(weights, experts, valid, logits, probs, _counts(experts, valid, self.n_experts),
+                            token_mask)
 
 
 class ExpertChoiceRouter(SoftmaxRouter):

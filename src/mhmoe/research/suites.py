@@ -64,22 +64,34 @@ def _v2_planned(name: str, heads: int, top_k: int, head_layer: bool, merge_layer
 
 
 def _icml(heads: int, experts: int = 8, hm: bool = True, mlp_layers: int = 1,
-          token_split: bool = True) -> Callable[[str], RunConfig]:
+          token_split: bool = True, reading: str = "paper") -> Callable[[str], RunConfig]:
     """ICML setting (X-MoE router, ReLU experts of 4d, top-2), re-planned at parameter parity with the
-    X-MoE baseline for every ablation (the paper: "the parameter quantities ... are equal")."""
+    X-MoE baseline for every ablation (the paper: "the parameter quantities ... are equal").
+    ``reading="code"``: the authors' code reading of X-MoE (:func:`icml_moe_config`; routing dimension 16
+    for every h, expert biases), planned the same way."""
+    code = reading == "code"
+    tag = "-code" if code else ""
+
     def build(scale: str) -> RunConfig:
-        base = icml_moe_config(scale, 1, experts)
+        base = icml_moe_config(scale, 1, experts, reading)
         if heads == 1 and not hm:
-            return _run(f"{scale}-icml-xmoe-{experts}", scale, base)
+            return _run(f"{scale}-icml-xmoe-{experts}{tag}", scale, base)
         d = SCALES[scale]["d_model"]
         h_plan = heads if token_split else 1
         p = plan(d, 4 * d, experts, 2, "relu", heads=h_plan, parity="params", head_layer=hm, merge_layer=hm,
                  mlp_layers=mlp_layers)
         moe = replace(base, d_expert=int(p.mhmoe.d_ff), heads=heads, head_layer=hm, merge_layer=hm,
                       mlp_layers=mlp_layers, token_split=token_split,
-                      router_dim=icml_router_dim(heads, token_split))
-        return _run(f"{scale}-icml-h{heads}-{experts}", scale, moe)
+                      router_dim=16 if code else icml_router_dim(heads, token_split))
+        return _run(f"{scale}-icml-h{heads}-{experts}{tag}", scale, moe)
     return build
+
+
+# the authors' code reading of ICML Table 1's English block (docs/PAPERS.md, "X-MoE: the paper's text and
+# the authors' code"); the MH-MoE rows keep parameter parity (biases aside, as every parity group) by the planner
+_CODE_NOTE = ("authors' code reading (xmoe_reading=code): unnormalised projected (sub-)tokens, no temperature, "
+              "routing dim 16 for every h, random second expert, capacity 2*ceil(S/E) with causal drops, "
+              "first-choice balance loss, expert biases")
 
 
 def _dense_with_mlp(scale: str) -> RunConfig:
@@ -228,6 +240,14 @@ SUITES: dict[str, list[Row]] = {
         Row("MH-MoE (32 experts)", _icml(4, 32), {"Perplexity": 10.28}, "icml-32"),
     ],
 }
+SUITES["icml-table1-code"] = [
+    Row("X-MoE (8 experts, authors' code)", _icml(1, 8, hm=False, reading="code"), {"Perplexity": 14.82}, "icml-8",
+        _CODE_NOTE),
+    Row("MH-MoE (8 experts, authors' code)", _icml(4, 8, reading="code"), {"Perplexity": 12.72}, "icml-8"),
+    Row("X-MoE (32 experts, authors' code)", _icml(1, 32, hm=False, reading="code"), {"Perplexity": 11.96},
+        "icml-32"),
+    Row("MH-MoE (32 experts, authors' code)", _icml(4, 32, reading="code"), {"Perplexity": 10.28}, "icml-32"),
+]
 SUITE_SCALES = ("tiny", "paper")
 
 
