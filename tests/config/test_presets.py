@@ -171,8 +171,8 @@ COMPARED = [n for n in MOE_PRESETS if not n.endswith(("-smoe", "-smoe-shared", "
 
 def baseline_of(name: str) -> str:
     scale, rest = name.split("-", 1)
-    if rest.startswith("icml-mh4-"):
-        return f"{scale}-icml-xmoe-{rest.rsplit('-', 1)[1]}"
+    if rest.startswith("icml-mh4-"):  # icml-mh4-E[-code] -> icml-xmoe-E[-code]
+        return f"{scale}-{rest.replace('-mh4-', '-xmoe-')}"
     return f"{scale}-smoe-shared" if rest.endswith("-shared") else f"{scale}-smoe"
 
 
@@ -203,7 +203,7 @@ def planner_count(name: str):
 
 
 def test_parity_cases_cover_every_moe_preset():
-    assert len(COMPARED) == 2 * 8  # per scale: fgmoe, mh2, mh3 (+ shared each), icml-mh4-8/32
+    assert len(COMPARED) == 2 * 10  # per scale: fgmoe, mh2, mh3 (+ shared each), icml-mh4-8/32 (+ -code each)
     assert {baseline_of(n) for n in COMPARED} <= set(MOE_PRESETS)
 
 
@@ -211,10 +211,11 @@ def test_parity_cases_cover_every_moe_preset():
 def test_moe_preset_params_within_1pct_of_baseline(name):
     ours, base = layer_params(name), layer_params(baseline_of(name))
     assert abs(ours / base - 1) < 0.01, f"{name}: {ours:,} vs {baseline_of(name)}: {base:,}"
-    # the built layer matches the planner's count (which leaves out the head/merge biases)
+    # the built layer matches the planner's count (which leaves out the head/merge and expert biases)
     m = get_preset(name).model
     hm_bias = m.d_model * int(m.moe.head_layer) + m.d_model * int(m.moe.merge_layer)
-    assert ours == planner_count(name).params + hm_bias * m.moe.mlp_layers
+    expert_bias = m.moe.n_experts * (m.moe.d_expert + m.d_model // m.moe.heads) if m.moe.expert_bias else 0
+    assert ours == planner_count(name).params + hm_bias * m.moe.mlp_layers + expert_bias
 
 
 @pytest.mark.parametrize("name", COMPARED)
