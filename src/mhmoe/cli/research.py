@@ -62,6 +62,13 @@ def _add_analyze(sub) -> None:
     p.add_argument("--batches", type=int, default=8, help="evaluation batches to route")
     p.add_argument("--threshold", type=float, default=0.01,
                    help="activation threshold in selections per token (uniform routing gives H*K/E)")
+    p.add_argument("--polysemy", action="store_true", help="decoder runs: also compare the assign diversity of "
+                   "polysemous and monosemous whole-word tokens (WordNet senses; ICML Fig. 7) into "
+                   "polysemy.png/json")
+    p.add_argument("--min-senses", type=int, default=3, metavar="N",
+                   help="--polysemy: WordNet senses from which a word is polysemous (monosemous: exactly 1)")
+    p.add_argument("--permutations", type=int, default=2000, metavar="N",
+                   help="--polysemy: permutations of the test of the group difference")
     p.add_argument("--images", type=int, default=6, help="encoder runs: images in the Fig. 8 picture (fig8.png)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run the model")
     p.add_argument("--json", action="store_true", help="print summary.json")
@@ -94,20 +101,63 @@ def _run_analyze(args: argparse.Namespace) -> int:
     if _is_encoder_run(args.checkpoint):  # image patches of the validation images, and ICML Fig. 8
         from mhmoe.research.patch_routing import analyze_encoder_checkpoint
 
-        if args.data or args.images < 1:
-            raise ConfigError("--data/--images", (args.data, args.images), "no --data and --images >= 1 for an "
-                              "encoder run (it is analysed on its validation images)")
+        if args.data or args.images < 1 or args.polysemy:
+            raise ConfigError("--data/--images", (args.data, args.images), "no --data or --polysemy and --images >= 1 "
+                              "for an encoder run (it is analysed on its validation images)")
         summary = analyze_encoder_checkpoint(args.checkpoint, out, args.batches, args.threshold, device, args.images)
     else:
-        summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold, device)
+        summary = analyze_checkpoint(args.checkpoint, out, args.data, args.batches, args.threshold, device,
+                                     _polysemy_extras(args))
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
     else:
         _print_analysis(summary, args.threshold)
         print(f"report: {out}/(activation|diversity).(png|csv), summary.json", file=sys.stderr)
+        if "polysemy" in summary:
+            _print_polysemy(summary["polysemy"])
+            print(f"ICML Fig. 7 analogue: {out}/polysemy.(png|json)", file=sys.stderr)
         if "fig8" in summary:
             print(f"ICML Fig. 8 (patch assign diversity, sub-token experts): {summary['fig8']}", file=sys.stderr)
     return 0
+
+
+def _polysemy_extras(args: argparse.Namespace) -> dict:
+    """``analyze_checkpoint``'s extras for --polysemy (WordNet is read first: a missing install fails fast)."""
+    from functools import partial
+
+    from mhmoe.errors import ConfigError
+
+    if not args.polysemy:
+        return {}
+    if args.min_senses < 2 or args.permutations < 1:
+        raise ConfigError("--min-senses/--permutations", (args.min_senses, args.permutations),
+                          "--min-senses >= 2 (1 sense is the monosemous group), --permutations >= 1")
+    from mhmoe.data.wordnet import wordnet_sense_counts
+    from mhmoe.research.polysemy import polysemy_report
+
+    return {"polysemy": partial(polysemy_report, min_senses=args.min_senses, senses=wordnet_sense_counts(),
+                                n_perm=args.permutations)}
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _print_polysemy(p: dict) -> None:
+    """The ICML Fig. 7 analogue as a table: group means per layer beside random routing, p-values."""
+    t = p["tokens"]
+    print(f"polysemous (WordNet senses >= {p['min_senses']}): {t['polysemous']:,} tokens "
+          f"({p['word_types']['polysemous']:,} words); monosemous: {t['monosemous']:,} tokens "
+          f"({p['word_types']['monosemous']:,} words); excluded: "
+          + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in t["excluded"].items()))
+    print("layer | polysemous | monosemous | difference | random routing (poly / mono; expected) | p tokens | p words")
+    for c in p["layers"] + [{**p["mean_over_layers"], "layer": "mean"}]:
+        print(f"{c['layer']} | {_fmt(c['polysemous_mean'])} | {_fmt(c['monosemous_mean'])} | "
+              f"{_fmt(c['difference'], 4)} | {_fmt(c['random_polysemous_mean'])} / "
+              f"{_fmt(c['random_monosemous_mean'])}; {_fmt(c['expected_random'])} | {c['p_value']:.4g} | "
+              f"{c['p_value_types']:.4g}")
+    if "note" in p:
+        print(p["note"])
 
 
 def run_directory(path: Path) -> Path:

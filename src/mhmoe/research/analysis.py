@@ -30,6 +30,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,9 +215,11 @@ def write_report(summary: dict, token_ids: list[Tensor], decode, out_dir: str | 
 
 
 def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, batches: int = 8,
-                       threshold: float = 0.01, device: str = "cpu") -> dict:
+                       threshold: float = 0.01, device: str = "cpu", extras: dict[str, Callable] | None = None) -> dict:
     """Analyse routing of a checkpoint on held-out text (the training corpus's validation split, or
-    ``data``: a corpus name or path, tokenised with the checkpoint's tokenizer)."""
+    ``data``: a corpus name or path, tokenised with the checkpoint's tokenizer). Each ``extras[name]``
+    is called as ``fn(records, token_ids, decode, out_dir)`` (e.g. :func:`mhmoe.research.polysemy.polysemy_report`)
+    and its result returned under ``name``."""
     from mhmoe.config.data import DataConfig
     from mhmoe.data import iter_eval_batches, prepare_data
     from mhmoe.train.checkpoint import load_latest
@@ -232,7 +235,10 @@ def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, b
         raise ValueError(f"checkpoint {ck.path} has no MoE layers to analyse (dense model)")
     summary = summarize(records, threshold)
     summary["checkpoint"] = str(ck.path)
-    return write_report(summary, ids, ck.tokenizer.decode, out_dir)
+    summary = write_report(summary, ids, ck.tokenizer.decode, out_dir)
+    for name, fn in (extras or {}).items():
+        summary[name] = fn(records, ids, ck.tokenizer.decode, out_dir)
+    return summary
 
 
 

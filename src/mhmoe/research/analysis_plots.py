@@ -8,7 +8,10 @@
   1/L), one bar per possible value, with the model's mean, the mean under uniformly random routing
   (measured, and the expected E(1-(1-K/E)^H)) and the maximum min(E, H*K) as vertical lines.
 
-Both are :class:`matplotlib.figure.Figure` objects (tests inspect them before saving).
+- ``polysemy.png`` (``mhmoe analyze --polysemy``, :mod:`mhmoe.research.polysemy`): the mean assign
+  diversity of polysemous and monosemous tokens per layer beside random routing, and its distribution.
+
+All are :class:`matplotlib.figure.Figure` objects (tests inspect them before saving).
 """
 
 from __future__ import annotations
@@ -91,3 +94,56 @@ def diversity_figure(div: np.ndarray, summary: dict[str, Any]) -> Any:
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
+
+
+POLYSEMY_COLORS = {"polysemous": "tab:orange", "monosemous": "tab:blue"}
+
+
+def _p_label(p: float | None) -> str:
+    return "p n/a" if p is None else f"p={p:.3g}"
+
+
+def polysemy_figure(stats: dict[str, Any]) -> Any:
+    """``polysemy.png`` (:mod:`mhmoe.research.polysemy`): left, per MoE layer and for the mean over layers,
+    each group's mean assign diversity (points, ± 1.96 standard errors) with the random-routing mean as a
+    dashed red line across the pair and the occurrence / type permutation p-values below; right, the
+    distribution of the mean-over-layers diversity per group."""
+    fig, (ax, ax_hist) = figure((11, 4.2), ncols=2)
+    cols = stats["layers"] + [stats["mean_over_layers"]]
+    names = [f"layer {c['layer']}" for c in stats["layers"]] + ["mean over\nlayers"]
+    for x, c in enumerate(cols):
+        for dx, g in ((-0.12, "polysemous"), (0.12, "monosemous")):
+            if c[f"{g}_mean"] is not None:
+                ax.errorbar(x + dx, c[f"{g}_mean"], yerr=1.96 * c[f"{g}_std"] / max(1, stats["tokens"][g]) ** 0.5,
+                            fmt="o", color=POLYSEMY_COLORS[g], capsize=3, label=g if x == 0 else None)
+        rnd = [v for v in (c["random_polysemous_mean"], c["random_monosemous_mean"]) if v is not None]
+        if rnd:
+            ax.hlines(float(np.mean(rnd)), x - 0.35, x + 0.35, label="random routing" if x == 0 else None,
+                      **UNIFORM_STYLE)
+    ax.set_xticks(range(len(cols)), [f"{n}\n{_p_label(c['p_value'])}\ntypes {_p_label(c['p_value_types'])}"
+                                     for n, c in zip(names, cols, strict=True)], fontsize=7)
+    ax.set_xlim(-0.6, len(cols) - 0.4)
+    ax.set(ylabel=f"distinct experts per token (max {stats['max_possible_diversity']})",
+           title=f"assign diversity, h={stats['heads']} top-{stats['top_k']} E={stats['n_experts']}: "
+           f"WordNet senses >= {stats['min_senses']} vs 1", xlabel="MoE layer; permutation p (tokens, word types)")
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    _polysemy_histogram(ax_hist, stats)
+    fig.tight_layout()
+    return fig
+
+
+def _polysemy_histogram(ax: Any, stats: dict[str, Any]) -> None:
+    """Fraction of each group's tokens at each mean-over-layers diversity value."""
+    hist = stats["histogram_mean_over_layers"]
+    values = np.asarray(hist["values"], dtype=float)
+    width = 0.8 * float(np.min(np.diff(values))) / 2 if values.size > 1 else 0.4
+    for dx, g in ((-0.5, "polysemous"), (0.5, "monosemous")):
+        ax.bar(values + dx * width, hist[g], width=width, color=POLYSEMY_COLORS[g], alpha=0.8,
+               label=f"{g} ({stats['tokens'][g]:,} tokens, {stats['word_types'][g]:,} words)")
+    integer_axis(ax, "x")
+    ax.set(xlabel=f"distinct experts per token (mean over {len(stats['layers'])} MoE layers)",
+           ylabel="fraction of the group's tokens", title="distribution")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper left")
