@@ -248,6 +248,13 @@ SUITES["icml-table1-code"] = [
         "icml-32"),
     Row("MH-MoE (32 experts, authors' code)", _icml(4, 32, reading="code"), {"Perplexity": 10.28}, "icml-32"),
 ]
+# ICML Fig. 6 (a) / Fig. 9: X-MoE and MH-MoE (h=4) with 8 to 256 experts, each pair at parameter parity;
+# the figures give curves, not a table, so there is no paper column (`mhmoe analyze --suite DIR --scaling`)
+FIG6_EXPERTS = (8, 16, 32, 64, 128, 256)
+SUITES["icml-fig6"] = [row for e in FIG6_EXPERTS for row in (
+    Row(f"X-MoE ({e} experts)", _icml(1, e, hm=False), {}, f"icml-{e}"),
+    Row(f"MH-MoE ({e} experts)", _icml(4, e), {}, f"icml-{e}"),
+)]
 SUITE_SCALES = ("tiny", "paper")
 
 
