@@ -56,6 +56,9 @@ def _add_analyze(sub) -> None:
                    "default: none)")
     p.add_argument("--suite", metavar="DIR", help="a `mhmoe reproduce` directory: analyse every MoE run, write "
                    "DIR/analysis.json (mean ± std over seeds beside random routing; default: none)")
+    p.add_argument("--scaling", action="store_true", help="with --suite: also write DIR/scaling.png/json, validation "
+                   "perplexity and expert activation ratio against the number of experts per model family "
+                   "(suite icml-fig6; ICML Fig. 6a / Fig. 9)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: RUN/analysis, in the run directory "
                    "even when a checkpoint directory is given)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
@@ -94,6 +97,8 @@ def _run_analyze(args: argparse.Namespace) -> int:
         raise ConfigError("--batches/--threshold", (args.batches, args.threshold), "--batches >= 1, --threshold >= 0")
     if (args.checkpoint is None) == (args.suite is None):
         raise ConfigError("--checkpoint/--suite", (args.checkpoint, args.suite), "exactly one of them")
+    if args.scaling and not args.suite:
+        raise ConfigError("--scaling", True, "--suite DIR (it reads a reproduce directory)")
     if args.suite:
         return _run_analyze_suite(args)
     out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
@@ -205,6 +210,10 @@ def _run_analyze_suite(args: argparse.Namespace) -> int:
     from mhmoe.runtime.device import resolve_device
 
     res = analyze_suite(args.suite, args.batches, args.threshold, str(resolve_device(args.device, "--device")))
+    if args.scaling:
+        from mhmoe.research.scaling import write_scaling
+
+        res["scaling"] = write_scaling(args.suite)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -214,8 +223,20 @@ def _run_analyze_suite(args: argparse.Namespace) -> int:
               f"uniform frequency {_pm(r, 'uniform_frequency')}, assign diversity {_pm(r, 'assign_diversity')} "
               f"({_pm(r, 'random_assign_diversity')}; max {r['max_possible_diversity']}), "
               f"load imbalance {_pm(r, 'load_imbalance')} ({_pm(r, 'random_load_imbalance')})")
-    print(f"{args.suite}/analysis.json", file=sys.stderr)
+    if args.scaling:
+        _print_scaling(res["scaling"])
+    print(f"{args.suite}/analysis.json" + (", scaling.(png|json)" if args.scaling else ""), file=sys.stderr)
     return 0
+
+
+def _print_scaling(table: dict) -> None:
+    """Perplexity (mean ± std) and activation ratio (random routing) per family and expert count."""
+    print(f"scaling ({table['validation_set']} perplexity; activation ratio, random routing in parentheses):")
+    for name, f in table["families"].items():
+        for e, m, sd, a, r in zip(f["experts"], f["ppl_mean"], f["ppl_std"], f["activation_ratio"],
+                                  f["random_activation_ratio"], strict=True):
+            act = f"{a['mean']:.3f} ± {a['std']:.3f} ({r['mean']:.3f})" if a and r else "-"
+            print(f"  {name} E={e}: ppl {m:.2f} ± {sd:.2f}, activation ratio {act}")
 
 
 def _print_analysis(summary: dict, threshold: float) -> None:
