@@ -16,6 +16,7 @@ from mhmoe.research.polysemy import (
     POLYSEMOUS,
     TRIVIAL_NOTE,
     classify_tokens,
+    frequency_strata,
     permutation_pvalue,
     polysemy_report,
     polysemy_statistics,
@@ -80,6 +81,18 @@ def test_permutation_test_finds_a_planted_difference_and_not_an_absent_one():
     assert permutation_pvalue(noise, torch.ones(400, dtype=torch.bool), 10, gen) == 1.0  # one group only
 
 
+def test_frequency_strata_remove_a_confound_and_keep_a_real_effect():
+    gen = torch.Generator().manual_seed(0)
+    strata = torch.arange(200) % 2  # e.g. rare and frequent words
+    labels = torch.rand(200, generator=gen) < torch.where(strata == 1, 0.8, 0.2)  # frequent: mostly polysemous
+    confounded = strata + 0.1 * torch.randn(200, generator=gen)  # diversity follows frequency only
+    assert permutation_pvalue(confounded, labels, 1000, torch.Generator().manual_seed(1)) < 0.01
+    assert permutation_pvalue(confounded, labels, 1000, torch.Generator().manual_seed(1), strata=strata) > 0.05
+    real = confounded + 0.3 * labels
+    assert permutation_pvalue(real, labels, 1000, torch.Generator().manual_seed(1), strata=strata) < 0.01
+    assert frequency_strata(torch.tensor([1.0, 2, 3, 4, 7, 8])).tolist() == [0, 1, 1, 2, 2, 3]
+
+
 def _records(div_per_layer, heads=4, top_k=2, experts=8):
     recs = []
     for d in div_per_layer:
@@ -106,6 +119,7 @@ def test_planted_polysemy_effect_is_found_beside_random_routing():
     assert l0["difference"] == pytest.approx(2.0, abs=0.15) and l0["p_value"] < 0.01
     assert l0["polysemous_mean"] == pytest.approx(float(layer0[poly].double().mean()))
     assert l0["p_value_types"] == pytest.approx(1 / 3, abs=0.06)  # 2 vs 2 word types: the least p is 2/6
+    assert 0 < l0["p_value_types_frequency_strata"] <= 1
     assert l1["p_value"] > 0.01 and abs(l1["difference"]) < 0.3
     for lay in (l0, l1):  # random routing: h=4 x top-2 over 8 experts, the same for both groups
         assert lay["expected_random"] == pytest.approx(8 * (1 - 0.75 ** 4))
@@ -151,7 +165,7 @@ def test_analyze_polysemy_cli_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert main(["analyze", "--checkpoint", str(tmp_path / "run"), "--batches", "1", "--polysemy",
                  "--min-senses", "2", "--permutations", "50"]) == 0
     out = capsys.readouterr().out
-    assert "polysemous (WordNet senses >= 2)" in out and "p words" in out
+    assert "polysemous (WordNet senses >= 2)" in out and "p words within frequency strata" in out
     saved = json.loads((tmp_path / "run" / "analysis" / "polysemy.json").read_text())
     assert saved["min_senses"] == 2 and saved["permutations"] == 50 and len(saved["layers"]) == 1
     assert saved["tokens"]["polysemous"] > 0 and saved["tokens"]["monosemous"] > 0  # "a" and "i"

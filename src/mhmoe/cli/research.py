@@ -155,12 +155,13 @@ def _print_polysemy(p: dict) -> None:
           f"({p['word_types']['polysemous']:,} words); monosemous: {t['monosemous']:,} tokens "
           f"({p['word_types']['monosemous']:,} words); excluded: "
           + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in t["excluded"].items()))
-    print("layer | polysemous | monosemous | difference | random routing (poly / mono; expected) | p tokens | p words")
+    print("layer | polysemous | monosemous | difference | random routing (poly / mono; expected) | p tokens | p words "
+          "| p words within frequency strata")
     for c in p["layers"] + [{**p["mean_over_layers"], "layer": "mean"}]:
         print(f"{c['layer']} | {_fmt(c['polysemous_mean'])} | {_fmt(c['monosemous_mean'])} | "
               f"{_fmt(c['difference'], 4)} | {_fmt(c['random_polysemous_mean'])} / "
               f"{_fmt(c['random_monosemous_mean'])}; {_fmt(c['expected_random'])} | {c['p_value']:.4g} | "
-              f"{c['p_value_types']:.4g}")
+              f"{c['p_value_types']:.4g} | {c['p_value_types_frequency_strata']:.4g}")
     if "note" in p:
         print(p["note"])
 

@@ -120,12 +120,14 @@ def polysemy_figure(stats: dict[str, Any]) -> Any:
         if rnd:
             ax.hlines(float(np.mean(rnd)), x - 0.35, x + 0.35, label="random routing" if x == 0 else None,
                       **UNIFORM_STYLE)
-    ax.set_xticks(range(len(cols)), [f"{n}\n{_p_label(c['p_value'])}\ntypes {_p_label(c['p_value_types'])}"
+    ax.set_xticks(range(len(cols)), [f"{n}\n{_p_label(c['p_value'])}\nwords {_p_label(c['p_value_types'])}\n"
+                                     f"freq. strata {_p_label(c['p_value_types_frequency_strata'])}"
                                      for n, c in zip(names, cols, strict=True)], fontsize=7)
     ax.set_xlim(-0.6, len(cols) - 0.4)
     ax.set(ylabel=f"distinct experts per token (max {stats['max_possible_diversity']})",
            title=f"assign diversity, h={stats['heads']} top-{stats['top_k']} E={stats['n_experts']}: "
-           f"WordNet senses >= {stats['min_senses']} vs 1", xlabel="MoE layer; permutation p (tokens, word types)")
+           f"WordNet senses >= {stats['min_senses']} vs 1",
+           xlabel="MoE layer; permutation p (tokens, words, words within frequency strata)")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)

@@ -12,10 +12,13 @@ WordNet (:func:`mhmoe.data.wordnet.wordnet_sense_counts`), occurrence by occurre
   words WordNet lacks such as function words, words with 2..min_senses-1 senses) is excluded and counted.
 
 Per MoE layer (and for the mean over layers, as :func:`mhmoe.research.analysis.summarize` averages
-it) the report gives each group's mean assign diversity, the difference, and two permutation-test
-p-values of that difference (two-sided, ``(1 + #{|d_perm| >= |d|}) / (1 + n_perm)``): one permuting
-the group labels over occurrences, one over word *types* (each word's mean over its occurrences), which
-does not treat repeated occurrences of a word as independent. Beside them: the same group means under
+it) the report gives each group's mean assign diversity, the difference, and three permutation-test
+p-values of that difference (two-sided, ``(1 + #{|d_perm| >= |d|}) / (1 + n_perm)``, so never below
+1 / (1 + n_perm)): ``p_value`` permutes the group labels over occurrences; ``p_value_types`` over word
+*types* (each word's mean over its occurrences), which does not treat repeated occurrences of a word as
+independent; ``p_value_types_frequency_strata`` over word types within strata of equal
+floor(log2(occurrences)), since frequent words are both more often polysemous and routed differently
+(a difference that only reflects frequency is not significant there). Beside them: the same group means under
 uniformly random routing of the same tokens (:func:`mhmoe.research.analysis.random_routing`) and its
 expectation E(1-(1-K/E)^H). With h=1 (SMoE, X-MoE) every token reaches top_k distinct experts by
 construction and the comparison is trivial; the report says so.
@@ -91,28 +94,34 @@ def _mean(x: Tensor) -> float | None:
 
 
 def permutation_pvalue(values: Tensor, labels: Tensor, n_perm: int, generator: torch.Generator,
-                       chunk_elems: int = 4_000_000) -> float:
+                       strata: Tensor | None = None, chunk_elems: int = 4_000_000) -> float:
     """Two-sided permutation test of mean(values[labels]) - mean(values[~labels]); values [n] float,
-    labels [n] bool. Permutations are drawn in chunks of [c, n] (argsort of uniform noise)."""
+    labels [n] bool. With ``strata`` [n] (integers) the labels are permuted within each stratum only.
+    Permutations are drawn in chunks of [c, n]: argsort of stratum + uniform noise keeps every stratum's
+    block of positions and shuffles it."""
     n, k = values.numel(), int(labels.sum())
     if k == 0 or k == n:
         return 1.0
     v = values.double()
+    strata = torch.zeros(n) if strata is None else strata.double()
+    base = torch.argsort(strata, stable=True)  # position j of a sorted order holds stratum strata[base[j]]
+    chosen = labels[base]  # the sorted positions whose labels are True
     total = float(v.sum())
     observed = abs(float(v[labels].mean() - v[~labels].mean()))
     hits, done, per = 0, 0, max(1, chunk_elems // n)
     while done < n_perm:
         c = min(per, n_perm - done)
-        pick = torch.rand(c, n, generator=generator).argsort(dim=1)[:, :k]
-        s = v[pick].sum(1)
+        perm = torch.argsort(strata + torch.rand(c, n, generator=generator, dtype=torch.float64) * 0.5, dim=1)
+        s = v[perm[:, chosen]].sum(1)
         diff = (s / k - (total - s) / (n - k)).abs()
         hits += int((diff >= observed - 1e-12).sum())
         done += c
     return (1 + hits) / (1 + n_perm)
 
 
-def type_means(values: Tensor, words: list[str | None], group: Tensor) -> tuple[Tensor, Tensor]:
-    """values [T] -> (mean over the occurrences of every grouped word type [W], its group [W])."""
+def type_means(values: Tensor, words: list[str | None], group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """values [T] -> (mean over the occurrences of every grouped word type [W], its group [W], its
+    number of occurrences [W])."""
     index: dict[str, int] = {}
     idx = torch.tensor([index.setdefault(w, len(index)) if g != EXCLUDED and w else -1
                         for w, g in zip(words, group.tolist(), strict=True)], dtype=torch.long)
@@ -121,7 +130,7 @@ def type_means(values: Tensor, words: list[str | None], group: Tensor) -> tuple[
     counts = torch.bincount(idx[keep], minlength=len(index)).double()
     type_group = torch.full((len(index),), EXCLUDED, dtype=torch.long)
     type_group[idx[keep]] = group[keep]
-    return sums / counts.clamp_min(1), type_group
+    return sums / counts.clamp_min(1), type_group, counts
 
 
 def compare_groups(values: Tensor, group: Tensor, words: list[str | None], n_perm: int, seed: int) -> dict:
@@ -137,9 +146,17 @@ def compare_groups(values: Tensor, group: Tensor, words: list[str | None], n_per
     both = None not in (out["polysemous_mean"], out["monosemous_mean"])
     out["difference"] = out["polysemous_mean"] - out["monosemous_mean"] if both else None
     out["p_value"] = permutation_pvalue(v, poly, n_perm, gen)
-    tv, tg = type_means(values, words, group)
+    tv, tg, counts = type_means(values, words, group)
     out["p_value_types"] = permutation_pvalue(tv, tg == POLYSEMOUS, n_perm, gen)
+    out["p_value_types_frequency_strata"] = permutation_pvalue(tv, tg == POLYSEMOUS, n_perm, gen,
+                                                               strata=frequency_strata(counts))
     return out
+
+
+def frequency_strata(counts: Tensor) -> Tensor:
+    """[W] occurrences -> [W] stratum floor(log2(occurrences)): 1, 2-3, 4-7, ... (frequent words are more
+    often polysemous; permuting within a stratum keeps each group's frequency profile)."""
+    return torch.log2(counts.clamp_min(1)).floor().long()
 
 
 def random_group_means(records: list[RoutingRecord], group: Tensor, seed: int) -> list[dict]:
