@@ -172,3 +172,5 @@ def test_analyze_polysemy_cli_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert saved["tokens"]["excluded"]["not_in_wordnet"] > 0  # "o"
     assert (tmp_path / "run" / "analysis" / "polysemy.png").is_file()
     assert main(["analyze", "--checkpoint", str(tmp_path / "run"), "--polysemy", "--min-senses", "1"]) == 2
+    assert main(["analyze", "--suite", str(tmp_path), "--polysemy"]) == 2
+    assert "--polysemy" in capsys.readouterr().err

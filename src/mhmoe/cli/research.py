@@ -99,6 +99,8 @@ def _run_analyze(args: argparse.Namespace) -> int:
         raise ConfigError("--checkpoint/--suite", (args.checkpoint, args.suite), "exactly one of them")
     if args.scaling and not args.suite:
         raise ConfigError("--scaling", True, "--suite DIR (it reads a reproduce directory)")
+    if args.polysemy and args.suite:
+        raise ConfigError("--polysemy", True, "--checkpoint RUN (one run at a time)")
     if args.suite:
         return _run_analyze_suite(args)
     out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
