@@ -48,6 +48,13 @@ def test_sense_counts_sum_parts_of_speech_and_read_the_exception_lists(tmp_path)
     assert "sea_bank" not in counts  # collocations are not single tokens
 
 
+@pytest.mark.skipif(not (wordnet.WORDNET_DIR / "index.noun").is_file(), reason="apt-get install wordnet-base")
+def test_installed_wordnet_counts():
+    counts = wordnet.wordnet_sense_counts()
+    assert counts["bank"] == 18 and counts["aardvark"] == 1 and "the" not in counts  # WordNet 3.0
+    assert counts["geese"] == 3  # goose's 3 noun senses, through noun.exc
+
+
 def test_missing_wordnet_names_the_package_and_bad_lines_are_refused(tmp_path):
     with pytest.raises(CorpusUnavailableError, match="apt-get install wordnet-base"):
         wordnet.wordnet_sense_counts(tmp_path / "nowhere")
