@@ -55,8 +55,8 @@ def scaling_table(suite_dir: str | Path, val_set: str | None = None) -> dict:
         raise ValueError(f"{root}: no summary.json (run `mhmoe reproduce SUITE --out {root}` first)")
     summary = _read(root / "summary.json")
     val_set = val_set or (summary.get("validation_sets") or [None])[0]
-    routing = {r["label"]: r for r in _read(root / "analysis.json")["rows"]} if (root / "analysis.json").is_file() \
-        else {}
+    analysis = _read(root / "analysis.json") if (root / "analysis.json").is_file() else None
+    routing = {r["label"]: r for r in analysis["rows"]} if analysis else {}
     points: dict[str, list[dict]] = {}
     for row in summary["rows"]:
         experts, heads = _row_config(root, row["label"])
@@ -73,7 +73,7 @@ def scaling_table(suite_dir: str | Path, val_set: str | None = None) -> dict:
         raise ValueError(f"{root}: no finished MoE rows with validation set {val_set!r}")
     families = {f: sorted(p, key=lambda x: x["experts"]) for f, p in points.items()}
     return {"suite": summary.get("suite"), "suite_dir": str(root), "validation_set": val_set,
-            "threshold": _read(root / "analysis.json").get("threshold") if routing else None,
+            "threshold": analysis.get("threshold") if analysis else None,
             "families": {f: {k: [p[k] for p in ps] for k in ps[0]} for f, ps in families.items()}}
 
 
