@@ -98,9 +98,9 @@ CASES = [  # S, E, K, D, F, ffn, extra routing
 def fused(request, monkeypatch):
     """Both backward designs in every dtype: the input gradient inside the act_bwd pass (act_dx, the bf16
     default for D <= 256) and the two passes act_bwd + dx (fp32, wider experts)."""
-    from mhmoe.moe.dispatch.triton import ops
+    from mhmoe.moe.dispatch.triton import backward
 
-    monkeypatch.setattr(ops, "fuse_dx", lambda d, dtype, enabled=None: request.param)
+    monkeypatch.setattr(backward, "fuse_dx", lambda d, dtype, enabled=None: request.param)
     return request.param
 
 

@@ -79,7 +79,8 @@ def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, 
     """The launches of one forward (and backward) of the op at ``shape``, recorded, not run (CPU tensors).
     ``fused``: the act_dx backward on/off (default: as configured)."""
     from mhmoe.moe.dispatch.triton import launch as L
-    from mhmoe.moe.dispatch.triton.ops import _pad_widths, expert_backward
+    from mhmoe.moe.dispatch.triton.backward import expert_backward
+    from mhmoe.moe.dispatch.triton.ops import _pad_widths
 
     S, K, E, D, F = shape
     gen = torch.Generator().manual_seed(0)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mhmoe.moe.dispatch.triton.ops import _launch as _L
-from mhmoe.moe.dispatch.triton.ops import expert_backward
+from mhmoe.moe.dispatch.triton.backward import expert_backward
+from mhmoe.moe.dispatch.triton.backward import kernels as _L
 
 
 def _plan_tensors(plan) -> list[Tensor]:

@@ -75,7 +75,7 @@ from torch import Tensor
 
 from mhmoe.errors import ConfigError
 from mhmoe.moe.dispatch.precision import compute_dtype
-from mhmoe.moe.dispatch.triton.tiles import fuse_dx, padded
+from mhmoe.moe.dispatch.triton.tiles import padded
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -90,12 +90,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _launch():
-    from . import launch
-
-    return launch
 
 
 @torch.compiler.assume_constant_result  # fixed for the process once the kernels are imported
@@ -126,32 +120,6 @@ def triton_supported(x: Tensor, experts: GroupedExperts) -> bool:
     triton importable, bias-free unquantized experts, fp32/bf16 compute, a CUDA tensor (or a CPU
     tensor with the kernels under the interpreter)."""
     return triton_available() and _unsupported(x, experts) is None
-
-
-def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor,
-                    h3: Tensor | None, valid: Tensor, plan, needs: tuple[bool, ...],
-                    fused: bool | None = None) -> tuple[Tensor | None, ...]:
-    """(dx, dweights, dW1, dW2, dW3), None where ``needs`` (x, weights, w1, w2, w3) is False. Where
-    :func:`~mhmoe.moe.dispatch.triton.tiles.fuse_dx` says so (``fused``: override), the input gradient comes
-    out of the act_bwd pass itself (act_dx: the hidden gradients are never read back for dx)."""
-    k = _launch()
-    need_x, need_w, need_w1, need_w2, need_w3 = needs
-    dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-    if need_x and fuse_dx(w1.shape[1], str(h1.dtype), fused):
-        gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
-                                             store_dh=need_w1 or need_w3, need_dw=need_w)
-    else:
-        need_dh = need_x or need_w1 or need_w3
-        if need_dh or need_w:
-            dh1, dh3, dw = k.act_backward(dout, w2, weights, h1, h3, plan, need_dh, need_w)
-        if need_x:
-            gx = k.dx_backward(dh1, dh3, w1, w3, valid, plan)
-    if need_w1 or need_w3:
-        gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
-    if need_w2:
-        gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
-    dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
-    return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None
 
 
 def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, ...]:
