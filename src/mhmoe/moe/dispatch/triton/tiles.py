@@ -71,7 +71,7 @@ CONFIGS: dict[str, dict[str, list[Tile]]] = {
                  "fp32": _t((64, 64, 32, 4, 3))},
     # output tile [BM of F, BN of D], reduction over an expert's rows
     "wgrad_down": {"bf16": _t((128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 3), (64, 256, 32, 8, 3)),
-                   "fp32": _t((64, 64, 32, 8, 3))},
+                   "fp32": _t((64, 64, 16, 8, 3))},  # BK 32 spills 208 B at 255 registers under triton 3.6
 }
 # under the Triton interpreter (CPU tests): one small config, several tiles per expert and masked edges
 INTERP: dict[str, Tile] = {k: Tile(16, 32, 32, 4, 1) for k in ROW_KERNELS} | {
