@@ -331,8 +331,8 @@ class TestCUDA:
 
 
 def test_compiles_into_one_graph():
-    """Under torch.compile the Triton path is opaque custom ops (mhmoe::triton_moe_*): an MH-MoE layer's
-    training forward traces into one graph, in fp32 and under bf16 autocast."""
+    """Under torch.compile the Triton path is opaque custom ops (mhmoe::triton_moe_*, mhmoe::triton_router): an
+    MH-MoE layer's training forward traces into one graph, in fp32 and under bf16 autocast."""
     from mhmoe.config.moe import MoEConfig
     from mhmoe.moe.layers import build_ffn_layer
 
@@ -347,3 +347,4 @@ def test_compiles_into_one_graph():
         assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
         ops = {str(n.target) for g in ex.graphs for n in g.graph.nodes}
         assert any("triton_moe_train" in o for o in ops), ops
+        assert any("triton_router" in o for o in ops), ops  # the fused router: an opaque custom op too

@@ -56,8 +56,12 @@ class Router(nn.Module):
     """Base class: token-choice top-k over a score matrix, with optional aux-loss-free bias.
 
     Subclasses implement :meth:`scores` returning ``(logits, gate)``: ``logits`` [S, E] are the raw
-    scores, ``gate`` [S, E] the positive gate values the combine weights are taken from.
+    scores, ``gate`` [S, E] the positive gate values the combine weights are taken from. A subclass whose
+    scores are ``x @ weight.t()`` names its gate in ``fused_gate`` ("softmax" | "sigmoid") to run the fused
+    GPU kernel of :meth:`_fused` instead of this reference path where it applies.
     """
+
+    fused_gate: str | None = None
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -65,6 +69,7 @@ class Router(nn.Module):
         self.renormalize = cfg.renormalize_weights  # top-k weights sum to one (auto: top_k > 1)
         self.bias_update_rate = cfg.bias_update_rate
         self.aux_free = cfg.aux_free_bias
+        self.impl = cfg.impl  # "auto" / "triton": the fused GPU router where it applies (see _fused)
         # DeepSeek-V3 selection bias: a buffer (not trained by the optimizer), updated from counts.
         self.register_buffer("selection_bias", torch.zeros(cfg.n_experts), persistent=cfg.aux_free_bias)
 
@@ -77,6 +82,9 @@ class Router(nn.Module):
         S = x.shape[0]
         if token_mask is None:
             token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
+        fused = self._fused(x, token_mask)
+        if fused is not None:
+            return fused
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits, gate, probs = self.scores(x.float())
             choice = gate + self.selection_bias if self.aux_free else gate
@@ -88,6 +96,26 @@ class Router(nn.Module):
         weights = weights * valid
         return RouterOutput(weights, experts, valid, logits, probs, _counts(experts, valid, self.n_experts),
                             token_mask)
+
+    def _fused(self, x: Tensor, token_mask: Tensor) -> RouterOutput | None:
+        """The GPU path: the same routing from one fused Triton kernel per block of tokens
+        (:mod:`mhmoe.moe.dispatch.triton.router`, exact to fp32 rounding), where it applies: a softmax or
+        sigmoid gate (``fused_gate``), ``impl`` auto or triton, CUDA inputs (CPU only under the Triton
+        interpreter with ``impl="triton"``: tests). None: the reference path below runs."""
+        if self.fused_gate is None or self.impl not in ("auto", "triton") or not (
+                x.is_cuda or (x.device.type == "cpu" and self.impl == "triton")):
+            return None
+        try:
+            from mhmoe.moe.dispatch.triton import router as fused
+        except ImportError:  # no triton (or exported model code, which does not carry the kernels)
+            return None
+        if not fused.supported(x, self.n_experts, self.top_k, self.fused_gate):
+            return None
+        bias = self.selection_bias if self.aux_free else None
+        logits, probs, weights, experts, counts = fused.fused_route(x, self.weight, bias, token_mask, self.top_k,
+                                                                    self.fused_gate, self.renormalize)
+        valid = token_mask[:, None].expand(x.shape[0], self.top_k).clone()
+        return RouterOutput(weights, experts, valid, logits, probs, counts, token_mask)
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor, apply: Tensor | None = None) -> None:
@@ -102,6 +130,8 @@ class Router(nn.Module):
 
 class SoftmaxRouter(Router):
     """Switch/GShard router: linear scores, softmax over experts, top-k of the probabilities."""
+
+    fused_gate = "softmax"
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__(d_in, cfg)
@@ -119,6 +149,8 @@ class SigmoidRouter(SoftmaxRouter):
     ``renormalize`` (the default for top_k > 1, as DeepSeek-V3) the selected affinities are divided by
     their sum; ``renormalize=false`` keeps the raw sigmoids (their sum is not one). ``probs`` (for the
     balance loss) are the affinities normalised over all experts."""
+
+    fused_gate = "sigmoid"
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = x @ self.weight.float().t()

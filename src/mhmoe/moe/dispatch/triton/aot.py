@@ -56,7 +56,7 @@ class KernelReport:
     local_bytes: int  # per-thread local memory: register spills
     pipelined: bool  # cp.async loads in the PTX
     wgmma: bool  # Hopper tensor-core MMA in the PTX
-    precision: str  # tl.dot input precision: tf32 | ieee (fp32) / tf32 (bf16: ignored)
+    precision: str  # tl.dot input precision: tf32 | ieee (fp32) / tf32 (bf16: ignored); split: the router
     seconds: float
 
     def problems(self, smem_limit: int = H100_SMEM) -> list[str]:
@@ -69,7 +69,9 @@ class KernelReport:
             out.append(f"{where}: {self.local_bytes} B of register spills (local memory)")
         if not self.pipelined and self.kernel != "ksum":
             out.append(f"{where}: loads not pipelined (no cp.async)")
-        if (self.dtype == "bf16" or self.precision == "tf32") and not self.wgmma and self.kernel != "ksum":
+        if self.precision == "split" and not self.wgmma:  # the fused router: bf16 MMAs whatever the input
+            out.append(f"{where}: no wgmma (tensor cores) in its split bf16 MMAs")
+        elif (self.dtype == "bf16" or self.precision == "tf32") and not self.wgmma and self.kernel != "ksum":
             out.append(f"{where}: no wgmma (tensor cores) in {self.dtype}/{self.precision}")
         return out
 
@@ -101,7 +103,21 @@ def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, 
             h1, h3, _ = L.up_forward(x, w1, w3, plan, store_pre=True)
             L.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
             expert_backward(torch.empty_like(x), x, weights, w1, w2, w3, h1, h3, valid, plan, needs, fused)
+        if ffn == "swiglu":  # the fused router over the same sub-tokens (input width D, unpadded)
+            _record_router(S, E, K, D, dtype, needs)
     return launches
+
+
+def _record_router(S: int, E: int, K: int, D: int, dtype: torch.dtype, needs: tuple[bool, ...] | None) -> None:
+    """The fused router's launches (forward; the backward with the x and weight gradients ``needs`` asks for)."""
+    from mhmoe.moe.dispatch.triton import router as R
+
+    x, w = torch.empty(S, D, dtype=dtype), torch.empty(E, D)
+    mask = torch.ones(S, dtype=torch.bool)
+    logits, _, _, experts, _ = R._forward(x, w, None, mask, K, "softmax", True)
+    if needs is not None and (needs[0] or needs[1]):
+        g = torch.empty(S, E)
+        R._backward(g, g, torch.empty(S, K), x, w, logits, experts, mask, "softmax", True, needs[0], needs[2])
 
 
 def _binder(fn, backend):
@@ -112,7 +128,7 @@ def _binder(fn, backend):
 
 
 def _variant(consts: dict[str, Any]) -> str:
-    skip = {"BM", "BN", "BK", "PREC", "DP", "PART", "BS", "BD"}
+    skip = {"BM", "BN", "BK", "PREC", "DP", "PART", "BS", "BD", "EP", "KP", "num_warps", "num_stages"}
     return " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(consts.items()) if k not in skip)
 
 
@@ -144,7 +160,9 @@ def compile_launch(launch, tile: Tile | None, arch: int = 90) -> KernelReport:
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    fn = L.JIT.get(launch.kernel, K_._ksum_kernel)
+    from mhmoe.moe.dispatch.triton import router as R
+
+    fn = {**L.JIT, **R.JIT}.get(launch.kernel, K_._ksum_kernel)
     kwargs = dict(launch.consts)
     if tile is not None:
         kwargs.update(L.tile_kwargs(launch.kernel, tile), num_warps=tile.warps, num_stages=tile.stages)
@@ -158,13 +176,17 @@ def compile_launch(launch, tile: Tile | None, arch: int = 90) -> KernelReport:
     item = 2 if launch.dtype == "bf16" else 4
     gated = bool(launch.consts.get("GATED", True))
     d = int(launch.consts.get("DP", 256))  # act_dx: its [BN, DP] weight panels
-    name = "—" if tile is None else f"{tile.bm}x{tile.bn}x{tile.bk} w{tile.warps} s{tile.stages}"
+    c = launch.consts
+    name = ("—" if "num_warps" not in c else "x".join(str(c[k]) for k in ("BM", "BN", "BK") if k in c)
+            + f" w{c['num_warps']} s{c.get('num_stages', 1)}") if tile is None else \
+        f"{tile.bm}x{tile.bn}x{tile.bk} w{tile.warps} s{tile.stages}"
     return KernelReport(
         kernel=launch.kernel, dtype=launch.dtype, variant=_variant(launch.consts), tile=name,
         smem=int(kern.metadata.shared), smem_predicted=0 if tile is None else smem_bytes(launch.kernel, tile, item,
                                                                                           gated, d),
         registers=regs, local_bytes=local, pipelined=bool(PIPELINED.search(ptx)), wgmma=bool(TENSOR_CORE.search(ptx)),
-        precision=str(launch.consts.get("PREC", "-")), seconds=seconds)
+        precision="split" if launch.kernel.startswith("router") else str(launch.consts.get("PREC", "-")),
+        seconds=seconds)
 
 
 def _key(launch, tile: Tile | None) -> tuple:
@@ -197,7 +219,7 @@ def report(shapes: list[str] | None = None, dtypes: tuple[str, ...] = ("bf16", "
                             with cuda_matmul_tf32_set(prec == "tf32"):
                                 launches += record(SHAPES[shape], tdt[dt], ffn, scen, fused)
                         for launch in launches:
-                            tiles = [None] if launch.kernel == "ksum" else CONFIGS[launch.kernel][dt]
+                            tiles = CONFIGS[launch.kernel][dt] if launch.kernel in CONFIGS else [None]
                             for tile in tiles:
                                 key = _key(launch, tile)
                                 if key in seen:
