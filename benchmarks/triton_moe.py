@@ -2,7 +2,7 @@
 resource report of every kernel compiled for a GPU target (no GPU needed).
 
 ``--bench`` (CUDA): median ms of forward and forward + backward, and the peak memory above the inputs, of
-``triton_moe`` (both backward designs: act_bwd + dx, and the fused act_dx), ``grouped_moe``
+``triton_moe`` (both backward designs: the fused act_dx, the default, and act_bwd + dx), ``grouped_moe``
 (``torch._grouped_mm``) and ``sorted_moe`` at thin-expert shapes (D = 256..768, F = 512..2048), bf16 by
 default, routing top-k softmax over E experts, round-robin timing.
 
@@ -37,13 +37,13 @@ def _fwd_bwd(fn, args, grad) -> None:
     fn(*args).backward(grad)
 
 
-def _fused(fn):
-    """``fn`` with the fused act_dx backward (MHMOE_TRITON_FUSE_DX=1) for the duration of each call: the
-    benchmark's fwd_bwd runs the backward inside the call."""
+def _fused(fn, on: bool = True):
+    """``fn`` with the fused act_dx backward on (the default, MHMOE_TRITON_FUSE_DX=1) or off (act_bwd + dx) for the
+    duration of each call: the benchmark's fwd_bwd runs the backward inside the call."""
     from mhmoe.moe.dispatch.triton import tiles
 
     def run(*args, **kwargs):
-        old, tiles.FUSE_DX = tiles.FUSE_DX, True
+        old, tiles.FUSE_DX = tiles.FUSE_DX, on
         try:
             return fn(*args, **kwargs)
         finally:
@@ -64,7 +64,8 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
     machine = machine_info(dev)
     print(machine)
     rows = []
-    fns = {"triton": triton_moe, "triton_act_dx": triton_moe, "grouped_mm": grouped_moe, "sorted": sorted_moe}
+    fns = {"triton_act_bwd_dx": triton_moe, "triton_act_dx": triton_moe, "grouped_mm": grouped_moe,
+           "sorted": sorted_moe}
     for S, K, E, D, F in SHAPES:
         torch.manual_seed(0)
         experts = GroupedExperts(E, D, F, init_std=D**-0.5).to(dev, dtype)
@@ -77,6 +78,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
         fwd = {n: functools.partial(f, x, route, experts) for n, f in fns.items()}
         both = {n: functools.partial(_fwd_bwd, f, (x, route, experts), g) for n, f in fns.items()}
         both["triton_act_dx"] = _fused(both["triton_act_dx"])  # the backward runs inside the call
+        both["triton_act_bwd_dx"] = _fused(both["triton_act_bwd_dx"], on=False)
         t_fwd, _ = time_fns(fwd, dev, repeats)
         t_both, _ = time_fns(both, dev, repeats)
         mem = {}
@@ -97,7 +99,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
 
 def warm(json_path: str | None) -> dict:
     """Compile and autotune the Triton path at the benchmark shapes (the parity layers at 16,384 tokens, bf16
-    and fp32, forward without autograd and forward + backward; mh3 bf16 also with act_dx): the first calls,
+    and fp32, forward without autograd and forward + backward; mh3 bf16 also with act_bwd + dx): the first calls,
     timed. With a shared TRITON_CACHE_DIR (benchmarks/gpu_suite.py) later processes reuse the compiles."""
     from mhmoe.moe.layers import build_ffn_layer
     from mhmoe.research.bench import CONFIGS, D_MODEL
@@ -107,8 +109,8 @@ def warm(json_path: str | None) -> dict:
         for dtype in (torch.bfloat16, torch.float32):
             layer = build_ffn_layer(D_MODEL, cfg.moe_config("triton")).to(dev, dtype)
             x = torch.randn(16384, D_MODEL, device=dev, dtype=dtype, requires_grad=True)
-            variants = {"fwd": False, "fwd_bwd": False} | ({"fwd_bwd_act_dx": True} if
-                                                           name == "mh3" and dtype == torch.bfloat16 else {})
+            variants = {"fwd": None, "fwd_bwd": None} | ({"fwd_bwd_act_bwd_dx": False} if
+                                                         name == "mh3" and dtype == torch.bfloat16 else {})
             def step(variant: str, layer=layer, x=x) -> None:
                 if variant == "fwd":
                     with torch.no_grad():
@@ -120,7 +122,7 @@ def warm(json_path: str | None) -> dict:
             for variant, fused in variants.items():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                (_fused(step) if fused else step)(variant)
+                (step if fused is None else _fused(step, fused))(variant)
                 torch.cuda.synchronize()
                 rows.append({"config": name, "dtype": str(dtype).replace("torch.", ""), "variant": variant,
                              "first_call_s": time.perf_counter() - t0})

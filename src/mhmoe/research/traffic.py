@@ -16,14 +16,22 @@ Per kernel three quantities (routing assumed balanced: N / E rows per expert):
   the bytes they store -- traffic between L2 and the SMs;
 - ``hbm``: compulsory DRAM traffic, every tensor read and written once (what perfect L2 reuse leaves).
 
-Time = max(flops / (peak x mma_eff), hbm / (hbm_bw x mem_eff), l2 / (l2_bw x mem_eff)) + one launch
-overhead; the autotuner is emulated by taking each kernel's candidate config with the least predicted
-time. The dense reference is modelled the same way (cuBLAS-like 128 x 256 tiles, no cluster multicast).
-The L2 -> SM bandwidth is the least known number (no data sheet gives it; 5.5 TB/s is a third-party
-microbenchmark of H100), so every prediction comes in two variants: with that L2 bound and without any
-(``l2=False``: DRAM and tensor cores only) -- the truth should lie between them. Not modelled: wave
-quantisation, imbalance between experts, the routing glue (sort and tile table, ~N int32 passes),
-register or bank-conflict stalls.
+Time = max(flops / (peak x mma_eff), hbm / (hbm_bw x mem_eff), l2 / l2_bw) + one launch overhead; the
+autotuner is emulated by taking each kernel's candidate config with the least predicted time. The dense
+reference is modelled the same way (cuBLAS-like 128 x 256 tiles in 2-CTA clusters: the Hopper GEMMs fetch
+the tile both CTAs of a cluster share from L2 once, by TMA multicast; the Triton kernels do not).
+
+Calibration (:data:`H100_SXM`) against what was measured on the lent H100 80GB HBM3: an 8192^3 bf16
+matmul through PyTorch ran at 798 TFLOP/s (``mma_eff`` = 798 / 989.4), a device-to-device copy moved about
+3.0 TB/s counting bytes read and written (``mem_eff`` = 3.0 / 3.35). The L2 -> SM bandwidth has no data
+sheet: 5.5 TB/s was measured (a third-party microbenchmark) on an H100 *PCIe* (114 SMs, at most 1755 MHz,
+power-limited), so the SXM part (132 SMs at 1980 MHz) gets it scaled by SMs x clock, 7.2 TB/s, as an
+achieved figure (not derated again). The measured GEMM bounds it from below: its tiles moved 8.7 GB
+from L2 in 1.38 ms, >= 6.3 TB/s. (The model before this calibration derated 5.5 TB/s by 0.85 and counted
+no multicast, which capped that GEMM at 394 TFLOP/s, half the measurement.) The L2 figure stays the least
+certain number, so every prediction also comes without any L2 bound (:func:`without_l2`: DRAM and tensor
+cores only). Not modelled: wave quantisation, imbalance between experts, the routing glue (sort and tile
+table, ~N int32 passes), register or bank-conflict stalls.
 """
 
 from __future__ import annotations
@@ -33,11 +41,17 @@ from dataclasses import asdict, dataclass, replace
 
 from mhmoe.moe.dispatch.triton.tiles import CONFIGS, Tile, fuse_dx, next_pow2, padded
 
+# measured on the lent H100 80GB HBM3 (PyTorch, random data): the figures the model is calibrated to
+H100_GEMM_TFLOPS = 798.0  # an 8192 x 8192 x 8192 bf16 matmul
+H100_COPY_TBS = 3.0  # a device-to-device copy, bytes read + written
+L2_PCIE_TBS, PCIE_SMS, PCIE_MHZ = 5.5, 114, 1755  # third-party L2 bandwidth microbenchmark of an H100 PCIe
+SXM_SMS, SXM_MHZ = 132, 1980
+
 
 @dataclass(frozen=True)
 class Device:
-    """Peak numbers of a GPU (vendor data sheets; L2 from third-party microbenchmarks) and the fractions of
-    them a good kernel reaches (assumptions)."""
+    """Peak numbers of a GPU (vendor data sheets) and the fractions of them that were reached (measured on the
+    lent H100, see the module docstring); ``l2_tbs`` is an achieved L2 -> SM bandwidth, used as it is."""
 
     name: str
     bf16_tflops: float  # dense tensor-core peak
@@ -45,13 +59,15 @@ class Device:
     fp32_tflops: float  # FMA (no tensor cores)
     hbm_tbs: float
     l2_tbs: float
-    mma_eff: float = 0.75
-    mem_eff: float = 0.85
+    mma_eff: float = H100_GEMM_TFLOPS / 989.4
+    mem_eff: float = H100_COPY_TBS / 3.35
     launch_us: float = 4.0
+    cluster: int = 2  # CTAs per cluster of the vendor GEMMs (TMA multicast of the shared operand tile)
 
 
-H100_SXM = Device("H100 SXM", 989.4, 494.7, 66.9, 3.35, 5.5)
-DEVICES = {"H100": H100_SXM, "H200": Device("H200", 989.4, 494.7, 66.9, 4.8, 5.5)}
+L2_SXM_TBS = round(L2_PCIE_TBS * SXM_SMS / PCIE_SMS * SXM_MHZ / PCIE_MHZ, 1)  # 7.2
+H100_SXM = Device("H100 SXM", 989.4, 494.7, 66.9, 3.35, L2_SXM_TBS)
+DEVICES = {"H100": H100_SXM, "H200": Device("H200", 989.4, 494.7, 66.9, 4.8, L2_SXM_TBS)}
 
 
 def without_l2(dev: Device) -> Device:
@@ -75,7 +91,7 @@ LEGACY["wgrad_up"] = LEGACY["wgrad_down"] = LEGACY["wgrad"]
 @dataclass
 class KernelCost:
     kernel: str
-    config: str
+    tile: str  # the config: "BMxBNxBK w{warps} s{stages}"
     flops: float
     l2: float  # bytes
     hbm: float  # bytes
@@ -111,7 +127,7 @@ class Shape:
 def _time(dev: Device, flops: float, l2: float, hbm: float, dtype: str) -> tuple[float, str]:
     peak = {"bf16": dev.bf16_tflops, "tf32": dev.tf32_tflops, "fp32": dev.fp32_tflops}[dtype]
     terms = {"mma": flops / (peak * 1e12 * dev.mma_eff), "hbm": hbm / (dev.hbm_tbs * 1e12 * dev.mem_eff),
-             "l2": l2 / (dev.l2_tbs * 1e12 * dev.mem_eff) if dev.l2_tbs else 0.0}
+             "l2": l2 / (dev.l2_tbs * 1e12) if dev.l2_tbs else 0.0}
     bound = max(terms, key=terms.get)
     return terms[bound] * 1e6 + dev.launch_us, bound
 
@@ -205,13 +221,22 @@ def expert_kernels(sh: Shape, dtype: str = "bf16", dev: Device = H100_SXM, legac
     return out + [cost("wgrad_up"), cost("wgrad_down")]
 
 
+def dense_gemm(m: int, k: int, n: int, dev: Device, dtype: str = "bf16", item: int = 2,
+               bm: int = 128, bn: int = 256) -> KernelCost:
+    """A vendor GEMM [m, k] x [k, n] with BM x BN output tiles in clusters of ``dev.cluster`` CTAs along M:
+    A loaded once per column tile, B once per cluster of row tiles (TMA multicast), the result stored once
+    (L2 traffic); operands and result read/written once (DRAM)."""
+    b_loads = math.ceil(math.ceil(m / bm) / dev.cluster)
+    l2 = (math.ceil(n / bn) * m * k + b_loads * k * n + m * n) * item
+    flops = 2 * m * k * n
+    us, bound = _time(dev, flops, l2, (m * k + k * n + m * n) * item, dtype)
+    return KernelCost("gemm", f"{bm}x{bn} cluster {dev.cluster}", flops, l2, (m * k + k * n + m * n) * item, us, bound)
+
+
 def dense_gemm_us(m: int, k: int, n: int, dev: Device, dtype: str = "bf16", item: int = 2,
                   bm: int = 128, bn: int = 256) -> float:
-    """A plain GEMM [m, k] x [k, n] with BM x BN output tiles: A loaded once per column tile, B once per
-    row tile (L2 traffic); operands and result read/written once (DRAM)."""
-    l2 = (math.ceil(n / bn) * m * k + math.ceil(m / bm) * k * n + m * n) * item
-    us, _ = _time(dev, 2 * m * k * n, l2, (m * k + k * n + m * n) * item, dtype)
-    return us
+    """Predicted microseconds of :func:`dense_gemm`."""
+    return dense_gemm(m, k, n, dev, dtype, item, bm, bn).us
 
 
 def _elementwise_us(elements: float, passes: int, dev: Device, item: int) -> float:
@@ -219,21 +244,70 @@ def _elementwise_us(elements: float, passes: int, dev: Device, item: int) -> flo
     return passes * elements * item / (dev.hbm_tbs * 1e12 * dev.mem_eff) * 1e6
 
 
+# element-wise passes (one read or write of the whole tensor each) over the [S, E] fp32 scores in eager PyTorch,
+# counted from the ops, forward / forward + backward:
+REF_ROUTER_PASSES = (3, 12)  # softmax, top-k; backward: the weights' gradient scattered into [S, E], summed
+# into the probabilities' gradient, the softmax backward
+LOSS_PASSES = (13, 32)  # the balance, z and entropy losses MoELayer computes (all three, whatever their weights)
+ROUTER_BM = 64  # tokens per program of the fused router kernels (mhmoe.moe.dispatch.triton.router)
+
+
+def router_kernels(s: int, d: int, e: int, k: int, dtype: str = "bf16", dev: Device = H100_SXM,
+                   pass_: str = "fwd_bwd") -> list[KernelCost]:
+    """The fused router's kernels for s tokens of width d, e experts, top-k: split-bf16 MMAs over the padded
+    experts (3 products for bf16 inputs, 6 for fp32), the [S, E] fp32 scores and probabilities written once,
+    the backward reading the saved scores and the incoming gradients once; the router weight's three bf16 parts
+    are loaded by every program (L2)."""
+    b = 2 if dtype == "bf16" else 4
+    ep = max(16, 1 << max(0, e - 1).bit_length())
+    prods = 3 if dtype == "bf16" else 6
+    progs = math.ceil(s / ROUTER_BM)
+    w_parts = 3 * e * d * 2
+    se, sk = s * e * 4, s * k * 12  # fp32 [S, E]; fp32 weights + int64 ids [S, K]
+    rows = [("router_fwd", 2 * s * d * ep * prods, s * d * b + 2 * se + sk + w_parts, progs * w_parts)]
+    if pass_ != "fwd":
+        chunks = min(64, math.ceil(s / 256))
+        rows += [("router_bwd", 2 * s * ep * d * 6, 4 * se + sk + s * d * b + w_parts, progs * w_parts),
+                 ("router_wgrad", 2 * s * ep * d * prods, se + s * d * b + 2 * chunks * e * d * 4,
+                  (math.ceil(d / 64) - 1) * se)]
+    out = []
+    for name, flops, hbm, l2_extra in rows:
+        us, bound = _time(dev, flops, hbm + l2_extra, hbm, "bf16")
+        out.append(KernelCost(name, f"{ROUTER_BM} tokens", float(flops), float(hbm + l2_extra), float(hbm), us, bound))
+    return out
+
+
+def router_prediction(s: int, d: int, e: int, k: int, dtype: str = "bf16", pass_: str = "fwd_bwd",
+                      dev: Device = H100_SXM, fused: bool = True) -> dict[str, float]:
+    """Predicted ms of the router and of its losses for s (sub-)tokens of width d: ``fused`` the Triton kernels
+    (:func:`router_kernels`), else the reference (x copied to fp32, an fp32 CUDA-core GEMM -- TF32 off, PyTorch's
+    default -- and its two backward GEMMs, :data:`REF_ROUTER_PASSES`); the losses (:data:`LOSS_PASSES`) either way."""
+    b = 2 if dtype == "bf16" else 4
+    fwd = pass_ == "fwd"
+    if fused:
+        router = sum(c.us for c in router_kernels(s, d, e, k, dtype, dev, pass_))
+    else:
+        casts = s * d * (b + 4) * (1 if fwd else 2)  # x to fp32; its gradient back to x's dtype
+        router = ((1 if fwd else 3) * dense_gemm_us(s, d, e, dev, "fp32", 4) + _elementwise_us(casts, 1, dev, 1)
+                  + _elementwise_us(s * e, REF_ROUTER_PASSES[0 if fwd else 1], dev, 4))
+    losses = _elementwise_us(s * e, LOSS_PASSES[0 if fwd else 1], dev, 4)
+    return {"router_ms": router / 1e3, "losses_ms": losses / 1e3}
+
+
 def layer_prediction(tokens: int, d_model: int, experts: int, d_expert: int, top_k: int, heads: int,
                      dtype: str = "bf16", pass_: str = "fwd_bwd", dev: Device = H100_SXM,
-                     legacy: bool = False, fused: bool | None = None) -> dict[str, float]:
-    """Predicted ms of one MoE layer on the Triton path, by part: the expert kernels, the head and merge
-    projections (MH-MoE), the router (an fp32 GEMM, TF32 off by default, plus ~10 element-wise passes over
-    the [S, E] fp32 scores: softmax, top-k, losses). Backward = 2 GEMMs per forward GEMM."""
+                     legacy: bool = False, fused: bool | None = None, router: str = "fused") -> dict[str, float]:
+    """Predicted ms of one MoE layer on the Triton path, by part: the expert kernels (``fused``: act_dx or not,
+    default what the kernels run), the head and merge projections (MH-MoE; backward = 2 GEMMs per forward GEMM),
+    the router (``router``: "fused" | "reference", :func:`router_prediction`) and its losses."""
     item = 2 if dtype == "bf16" else 4
     d = d_model // heads
     sh = Shape(tokens * heads, top_k, experts, padded(d), padded(d_expert), item)
     kern = sum(c.us for c in expert_kernels(sh, dtype, dev, legacy, pass_, fused))
     mult = 1 if pass_ == "fwd" else 3
     proj = mult * 2 * dense_gemm_us(tokens, d_model, d_model, dev, dtype, item) if heads > 1 else 0.0
-    router = mult * dense_gemm_us(tokens * heads, d, experts, dev, "fp32", 4) + _elementwise_us(
-        tokens * heads * experts, 10 if pass_ == "fwd" else 20, dev, 4)
-    parts = {"experts_ms": kern / 1e3, "proj_ms": proj / 1e3, "router_ms": router / 1e3}
+    parts = {"experts_ms": kern / 1e3, "proj_ms": proj / 1e3,
+             **router_prediction(tokens * heads, d, experts, top_k, dtype, pass_, dev, router == "fused")}
     return {**parts, "layer_ms": sum(parts.values())}
 
 

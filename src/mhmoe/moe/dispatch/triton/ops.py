@@ -30,8 +30,8 @@ backward
   6. ``_wgrad_up_kernel`` [E x D/BM x F/BN]: dW1[e] = x[tok]^T dh1, dW3[e] = x[tok]^T dh3 (x gathered).
   7. ``_dx_kernel`` [G x D/BN]: dh1 W1[e]^T + dh3 W3[e]^T scattered to slots, then ``_ksum_kernel``
      (K = 1: written directly into dx).
-  4+7 fused (``MHMOE_TRITON_FUSE_DX=1``, bf16, D <= 256): ``_act_dx_kernel`` [G]: per row tile, one
-     pass over the hidden units computes dh1, dh3 and accumulates dx in registers, so the hidden
+  4+7 fused (the default in bf16 for D <= 256; ``MHMOE_TRITON_FUSE_DX=0``: off): ``_act_dx_kernel`` [G]: per
+     row tile, one pass over the hidden units computes dh1, dh3 and accumulates dx in registers, so the hidden
      gradients are never read back for dx (64-row tiles: see docs/PERFORMANCE.md for the trade-off).
 An expert without rows runs no reduction step in 5/6 and stores zeros. Invalid slots are in no
 tile: they contribute nothing, and their gradients stay zero (the partial buffer starts at zero).

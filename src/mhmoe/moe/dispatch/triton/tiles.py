@@ -26,11 +26,12 @@ KERNELS = ROW_KERNELS + WGRAD_KERNELS
 H100_SMEM = 227 * 1024  # bytes of shared memory one block may opt in to on sm_90
 PART = 64  # hidden units per partial sum of the routing-weight gradient in act_bwd (divides every BN)
 DX_FUSE_MAX = 256  # act_dx (dx fused into act_bwd) keeps a [BM, next_pow2(D)] fp32 accumulator: D up to this
-# act_dx is opt-in (MHMOE_TRITON_FUSE_DX=1) until a GPU measures it: it reads the hidden gradients once fewer
-# (less DRAM traffic) but runs 64-row tiles, so it loads every expert's three weight panels twice as often
-# as the 128-row act_bwd + dx (more L2 traffic); the traffic model (mhmoe.research.traffic) predicts it
-# faster if DRAM binds and slower if L2 does. benchmarks/triton_moe.py --bench times both.
-FUSE_DX = os.environ.get("MHMOE_TRITON_FUSE_DX", "0") == "1"
+# act_dx is the default where it applies (MHMOE_TRITON_FUSE_DX=0 turns it off): it reads the hidden gradients
+# once fewer (less DRAM traffic) but runs 64-row tiles, so it loads every expert's three weight panels twice as
+# often as the 128-row act_bwd + dx (more L2 traffic); the traffic model (mhmoe.research.traffic), calibrated
+# to the measured H100 figures, predicts it faster for mh3 with and without its L2 bound. Unmeasured on a GPU:
+# benchmarks/triton_moe.py --bench times both.
+FUSE_DX = os.environ.get("MHMOE_TRITON_FUSE_DX", "1") != "0"
 ALIGN = 16  # widths are padded to multiples of this many elements (16-byte-divisible strides, pipelined loads)
 
 
