@@ -1,9 +1,9 @@
 """The package layout: every folder is one layer, dependencies point one way, no import circles.
 
 Layers, bottom up (docs/ARCHITECTURE.md): errors/runtime -> config -> checkpoint -> quant -> moe -> model, data ->
-train -> parallel -> research, integrations -> cli. A module may import its own package and lower
+loading -> train -> parallel -> research, integrations -> cli. A module may import its own package and lower
 layers only; siblings of one layer (model/data, research/integrations) do not import each other.
-Function-level (lazy) imports count exactly like module-level ones.
+Function-level (lazy) and relative imports count exactly like module-level absolute ones.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "mhmoe"
 LAYERS = [
-    ("errors",), ("runtime",), ("config",), ("checkpoint",), ("quant",), ("moe",), ("model", "data"), ("train",),
-    ("parallel",), ("research", "integrations"), ("cli",),
+    ("errors",), ("runtime",), ("config",), ("checkpoint",), ("quant",), ("moe",), ("model", "data"), ("loading",),
+    ("train",), ("parallel",), ("research", "integrations"), ("cli",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 # the public API, `python -m mhmoe` and the deprecated aliases of moved public modules may import anything
@@ -37,17 +37,31 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every mhmoe module ``path`` imports, at any depth (``from a.b import c`` is ``a.b.c`` when that is a
-    module, else ``a.b``)."""
+def _package(module: str, path: Path) -> str:
+    """The package a relative import of ``module`` (file ``path``) is resolved against."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def imported_modules(path: Path, module: str | None = None) -> set[str]:
+    """Every mhmoe module ``path`` (module ``module``, default: from its place under src/) imports, at any
+    depth, absolute or relative (``from . import x``, ``from ..y import z``, resolved against the module's
+    package); ``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``."""
+    module = module or module_name(path)
     out = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "mhmoe"}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mhmoe":
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = _package(module, path).split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != "mhmoe":
+                continue
             for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if sub in MODULES else node.module)
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in MODULES else base)
     return out
 
 
@@ -126,7 +140,33 @@ def test_cycle_finder_finds_a_planted_circle():
 def test_layering_check_sees_lazy_imports(tmp_path):
     lazy = tmp_path / "m.py"
     lazy.write_text("def f():\n    from mhmoe.train.loop import train\n    return train\n")
-    assert "mhmoe.train.loop" in imported_modules(lazy)
+    assert "mhmoe.train.loop" in imported_modules(lazy, "mhmoe.model.m")
+
+
+def test_layering_check_resolves_relative_imports(tmp_path):
+    """``from . import x`` / ``from .x import y`` / ``from .. import z``, lazy or not, resolved against the
+    importing module's package (a package's ``__init__`` is its own package)."""
+    mod = tmp_path / "ops.py"
+    mod.write_text("from .tiles import padded\nfrom .. import common\n\n\ndef f():\n    from . import custom_ops\n"
+                   "    from ...experts import GroupedExperts\n    return custom_ops, GroupedExperts\n")
+    got = imported_modules(mod, "mhmoe.moe.dispatch.triton.ops")
+    assert got == {"mhmoe.moe.dispatch.triton.tiles", "mhmoe.moe.dispatch.common",
+                   "mhmoe.moe.dispatch.triton.custom_ops", "mhmoe.moe.experts"}
+    init = tmp_path / "__init__.py"
+    init.write_text("from .ops import x\n")
+    assert imported_modules(init, "mhmoe.moe.dispatch.triton") == {"mhmoe.moe.dispatch.triton.ops"}
+
+
+def test_cycle_finder_finds_a_lazy_relative_circle(tmp_path):
+    """A lazy relative import back into a module that imports it is a circle (the shape
+    ``ops.py: def f(): from . import custom_ops`` + ``custom_ops.py: from .ops import ...`` had)."""
+    ops, custom = tmp_path / "ops.py", tmp_path / "custom_ops.py"
+    ops.write_text("def f():\n    from . import custom_ops\n    return custom_ops\n")
+    custom.write_text("from .ops import f\n")
+    pkg = "mhmoe.moe.dispatch.triton"
+    planted = {**GRAPH, f"{pkg}.ops": imported_modules(ops, f"{pkg}.ops"),
+               f"{pkg}.custom_ops": imported_modules(custom, f"{pkg}.custom_ops")}
+    assert [f"{pkg}.custom_ops", f"{pkg}.ops"] in _cycles(planted)
 
 
 def test_every_module_imports_in_a_fresh_interpreter():

@@ -1,5 +1,5 @@
 """``LM.save_pretrained`` / ``LM.from_pretrained``: round trips, the directories it reads (saved, export --hf,
-checkpoint, run), what it refuses (overwrites, damaged or foreign files, symlinks out, DCP), and that a
+checkpoint, run), both formats, what it refuses (overwrites, damaged or foreign files, symlinks out), and that a
 failed save leaves nothing behind."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhmoe.checkpoint.layout import SAVED_CONFIG_FILE as CONFIG_FILE
+from mhmoe.checkpoint.layout import WEIGHTS_FILE
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.run import RunConfig
@@ -19,8 +22,7 @@ from mhmoe.config.train import TrainConfig
 from mhmoe.data import ByteTokenizer
 from mhmoe.errors import CheckpointError
 from mhmoe.model.lm import LM
-from mhmoe.model.pretrained import CONFIG_FILE, WEIGHTS_FILE
-from mhmoe.train.checkpoint import save_checkpoint
+from mhmoe.train.convert import safetensors_to_dcp
 
 MOE = MoEConfig(n_experts=4, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True)
 CFG = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, d_ff=32, max_seq_len=32, moe=MOE)
@@ -96,13 +98,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
         LM.from_pretrained(run / "checkpoints" / "step_00000002")  # asked for that one: no fallback
 
 
-def test_dcp_checkpoints_point_to_mhmoe_load(tmp_path):
+def test_dcp_checkpoints_load_as_their_single_file_source(tmp_path):
     run, _ = _checkpointed_run(tmp_path / "run", (1,))
-    ck = run / "checkpoints" / "step_00000001"
-    meta = json.loads((ck / "meta.json").read_text())
-    (ck / "meta.json").write_text(json.dumps({**meta, "format": "dcp"}))
-    with pytest.raises(CheckpointError, match=r"mhmoe\.load"):
-        LM.from_pretrained(ck)
+    dcp = safetensors_to_dcp(run / "checkpoints" / "step_00000001", tmp_path / "dcp")
+    a, b = LM.from_pretrained(run), LM.from_pretrained(dcp)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    assert not (dcp / WEIGHTS_FILE).exists()  # read from the shards
 
 
 def test_never_overwrites_unless_asked(tmp_path):

@@ -30,9 +30,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+import mhmoe
 from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
 from mhmoe.checkpoint.dcp_metadata import ALLOWED_GLOBALS, read_metadata
 from mhmoe.checkpoint.dcp_reader import SafeFileSystemReader, read_dcp_full
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.cli import main
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
@@ -41,10 +43,11 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.data import ByteTokenizer
 from mhmoe.errors import CheckpointError
+from mhmoe.loading.checkpoint import load_checkpoint, load_latest
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import load_dcp_into, open_latest_dcp, save_dcp_checkpoint
-from mhmoe.train.checkpoint import load_checkpoint, load_latest, save_checkpoint
 from mhmoe.train.optim import build_optimizer
+from mhmoe.train.resume import load_for_resume, load_latest_for_resume
 
 MOE = MoEConfig(n_experts=4, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True)
 MODEL = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, d_ff=32, max_seq_len=32, moe=MOE)
@@ -143,16 +146,24 @@ def _live(load, marker: Path) -> None:
     marker.unlink()
 
 
-def _loaders(run: Path):
-    """Every way mhmoe reads a DCP checkpoint in one process."""
+def _loaders(run: Path, model_only: bool = True):
+    """Every way mhmoe reads a DCP checkpoint in one process (``model_only``: also those that read only
+    the model's items)."""
     ck = run / STEP_DIR
 
     def into():
         model, opt = _trained(seed=1)
         load_dcp_into(ck, model, opt)
 
-    return {"load_checkpoint": lambda: load_checkpoint(ck), "load_latest": lambda: load_latest(run, warn=False),
-            "read_dcp_full": lambda: read_dcp_full(ck / "dcp"), "load_dcp_into": into}
+    loaders = {"load_for_resume": lambda: load_for_resume(ck),
+               "load_latest_for_resume": lambda: load_latest_for_resume(run, warn=False),
+               "read_dcp_full": lambda: read_dcp_full(ck / "dcp"), "load_dcp_into": into}
+    if model_only:
+        loaders.update({"load_checkpoint": lambda: load_checkpoint(ck),
+                        "load_latest": lambda: load_latest(run, warn=False),
+                        "mhmoe.load": lambda: mhmoe.load(run, "cpu", warn=False),
+                        "LM.from_pretrained": lambda: LM.from_pretrained(run, warn=False)})
+    return loaders
 
 
 def _dcp_save(state: dict, path: Path) -> None:
@@ -296,9 +307,11 @@ def test_crafted_bytes_item_runs_no_code(run, marker):
     _dcp_save(state, ck / "dcp")
     _rehash(ck)
     _live(lambda: dcp_to_torch_save(str(ck / "dcp"), str(run / "out.pt")), marker)  # the previous read path
-    for name, load in _loaders(run).items():
+    for name, load in _loaders(run, model_only=False).items():
         msg = _refused(load, marker, "refused DCP item|no valid checkpoint")
         assert "param_groups.0.lr" in msg, (name, msg)
+    mhmoe.load(run, "cpu")  # loading the model reads no optimizer item
+    assert not marker.exists()
     # torch's DefaultLoadPlanner behind the safe reader: the planner only sees bytes re-serialised by us
     model, _ = _trained(seed=1)
     sd = {"model": model.state_dict(), "optim": {"param_groups": [{"lr": 0.0}]}}

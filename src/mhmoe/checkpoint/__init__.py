@@ -24,20 +24,15 @@ outside its directory (see docs/SAFETY.md).
 """
 
 from mhmoe.checkpoint.format import (
-    CKPT_DIR,
-    DCP_DIR,
-    FORMAT_VERSION,
-    META_FILE,
-    PREFIX,
     check_links,
     checkpoint_candidates,
-    is_checkpoint_dir,
     list_checkpoints,
     newest_valid,
     publish_checkpoint,
     remove_stale_temporaries,
     verify_checkpoint,
 )
+from mhmoe.checkpoint.layout import CKPT_DIR, DCP_DIR, FORMAT_VERSION, META_FILE, PREFIX, is_checkpoint_dir
 from mhmoe.checkpoint.read import (
     CheckpointFiles,
     check_trainer_state,

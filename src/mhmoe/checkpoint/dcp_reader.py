@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.futures import Future
 
 from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, check_file_name, check_metadata, error, fail, read_metadata
-from mhmoe.checkpoint.format import DCP_DIR
+from mhmoe.checkpoint.layout import DCP_DIR
 from mhmoe.errors import CheckpointError, one_line
 from mhmoe.runtime.bounded import check_torch_archive
 
@@ -236,18 +236,22 @@ def _check_extents(reader: SafeFileSystemReader, md: Metadata, where: str) -> No
                 raise fail(where, f"data items overlap in {name} (bytes {b:,}..{a + n:,})")
 
 
-def read_dcp_full(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def read_dcp_full(dcp_dir: str | os.PathLike[str], part: str | None = None) -> dict[str, Any]:
     """Every item of the DCP checkpoint in ``dcp_dir`` (the directory holding ``.metadata``) as full,
-    unsharded tensors / plain values, nested as saved (e.g. ``{"model": {...}, "optim": {...}}``).
+    unsharded tensors / plain values, nested as saved (e.g. ``{"model": {...}, "optim": {...}}``);
+    ``part``: only the items under that top-level key (e.g. ``"model"``: the others are not read).
     One process, no process group, no temporary file; nothing is unpickled beyond the allow-lists."""
     where = str(dcp_dir)
     reader = SafeFileSystemReader(dcp_dir)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
     _check_extents(reader, md, where)
+    paths = md.planner_data or {}
+    wanted = {fqn: item for fqn, item in md.state_dict_metadata.items()
+              if part is None or paths.get(fqn, (fqn,))[0] == part}
     tensors: dict[str, torch.Tensor] = {}
     items: list[ReadItem] = []
-    for fqn, item in md.state_dict_metadata.items():
+    for fqn, item in wanted.items():
         if type(item) is BytesStorageMetadata:
             zero = torch.Size([0])
             idx = MetadataIndex(fqn)
@@ -266,7 +270,7 @@ def read_dcp_full(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
                                   storage_offsets=torch.Size([0] * len(c.offsets)), lengths=c.sizes))
     collect = _Collect(tensors, where)
     reader.read_data(LoadPlan(items), collect).wait()
-    flat = {k: tensors[k] if k in tensors else collect.values[k] for k in md.state_dict_metadata}
+    flat = {k: tensors[k] if k in tensors else collect.values[k] for k in wanted}
     return _unflatten(flat, md.planner_data, where)
 
 

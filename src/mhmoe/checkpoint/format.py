@@ -17,21 +17,27 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, TypeVar
 
+from mhmoe.checkpoint.layout import (
+    CKPT_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    PREFIX,
+    is_checkpoint_dir,
+    is_saved_dir,
+    step_of,
+)
 from mhmoe.errors import CheckpointError, one_line
 from mhmoe.runtime.bounded import MAX_JSON_CHARS, load_json
-from mhmoe.runtime.files import atomic_write, durable_default, publish_dir, remove_tree, sha256_file
+from mhmoe.runtime.files import (
+    STAGING_PREFIX,
+    atomic_write,
+    durable_default,
+    publish_dir,
+    remove_tree,
+    sha256_file,
+)
 
-FORMAT_VERSION = 1
-CKPT_DIR = "checkpoints"
-PREFIX = "step_"
-META_FILE = "meta.json"
-DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint files
 T = TypeVar("T")
-
-
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    """``RUN/checkpoints/step_0000000N``."""
-    return Path(run_dir) / CKPT_DIR / f"{PREFIX}{step:08d}"
 
 
 def checkpoint_files(root: Path) -> list[Path]:
@@ -40,7 +46,7 @@ def checkpoint_files(root: Path) -> list[Path]:
 
 
 def _is_step_dir(p: Path) -> bool:
-    return p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and p.is_dir() and not p.is_symlink()
+    return step_of(p.name) is not None and p.is_dir() and not p.is_symlink()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -48,34 +54,35 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir() or root.is_symlink():
         return []
-    return sorted((p for p in root.iterdir() if _is_step_dir(p)), key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted((p for p in root.iterdir() if _is_step_dir(p)), key=lambda p: step_of(p.name) or 0)
 
 
-def is_checkpoint_dir(path: Path) -> bool:
-    """A single checkpoint directory (``meta.json`` inside, or named ``step_N``), not a run directory."""
-    return (path / META_FILE).is_file() or path.name.startswith(PREFIX)
+def _one_directory(p: Path) -> bool:
+    """A checkpoint or saved-model directory: loaded as it is, with no fallback."""
+    return is_checkpoint_dir(p) or is_saved_dir(p)
 
 
 def checkpoint_candidates(run_or_ckpt: str | Path) -> list[Path]:
     """The checkpoint directories to try for a run directory, newest first, or ``[path]`` for a checkpoint
-    directory; CheckpointError when there are none."""
+    (or saved-model) directory; CheckpointError when there are none."""
     p = Path(run_or_ckpt)
     if not p.exists():
         raise CheckpointError(f"{p}: no such run or checkpoint directory")
-    if is_checkpoint_dir(p):
+    if _one_directory(p):
         return [p]
     candidates = list_checkpoints(p)
     if not candidates:
-        raise CheckpointError(f"{p}: no checkpoints found (expected {p / CKPT_DIR / 'step_*'})")
+        raise CheckpointError(f"{p}: no checkpoints found (expected {p / CKPT_DIR / PREFIX}*)")
     return list(reversed(candidates))
 
 
 def newest_valid(run_or_ckpt: str | Path, load: Callable[[Path], T], warn: bool = True) -> T:
-    """``load(checkpoint_dir)`` for a checkpoint directory, or for a run directory on its newest checkpoint
-    that loads: one that raises CheckpointError prints one line to stderr (``warn``) and the previous one
-    is tried. The one fallback rule of every loader of run directories."""
+    """``load(directory)`` for a checkpoint or saved-model directory, or for a run directory on its newest
+    checkpoint that loads: one that raises CheckpointError prints one line to stderr (``warn``) and the
+    previous one is tried. The one fallback rule of every loader of run directories (``LM.from_pretrained``,
+    ``mhmoe.load``, ``load_latest``, the resume of single-process and torchrun training)."""
     candidates = checkpoint_candidates(run_or_ckpt)
-    if is_checkpoint_dir(Path(run_or_ckpt)):
+    if _one_directory(Path(run_or_ckpt)):
         return load(candidates[0])
     errors = []
     for c in candidates:
@@ -178,7 +185,7 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir() or root.is_symlink():
         return []
-    stale = [p for p in root.iterdir() if p.name.startswith(".tmp-") and p.is_dir() and not p.is_symlink()]
+    stale = [p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir() and not p.is_symlink()]
     for p in stale:
         remove_tree(p)
     return stale

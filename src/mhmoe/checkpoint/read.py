@@ -10,9 +10,11 @@ restricted reader (:mod:`mhmoe.checkpoint.dcp_reader`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,14 +22,22 @@ from typing import Any
 import torch
 
 from mhmoe.checkpoint.format import verify_checkpoint
+from mhmoe.checkpoint.layout import (
+    CONFIG_FILE,
+    DCP,
+    DCP_DIR,
+    SAFETENSORS,
+    SAVED_CONFIG_FILE,
+    TOKENIZER_DIR,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointFormat,
+    is_saved_dir,
+)
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
 from mhmoe.runtime.bounded import open_checked_torch_archive
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.yaml"
-TRAINER_STATE_FILE = "trainer_state.pt"
-TOKENIZER_DIR = "tokenizer"
 #: torch.load(weights_only=True) had code-execution bugs before this version (CVE-2025-32434 before 2.6,
 #: CVE-2026-24747 before 2.10); trainer_state.pt and DCP items are read with it
 SAFE_TORCH = (2, 10)
@@ -60,7 +70,7 @@ class CheckpointFiles:
     path: Path
     step: int
     run: RunConfig
-    format: str
+    format: CheckpointFormat
     meta: dict[str, Any]
 
     @property
@@ -76,23 +86,49 @@ def open_checkpoint(path: str | Path) -> CheckpointFiles:
     """Verify checkpoint directory ``path`` (meta.json: names, sizes, sha256) and read its config;
     CheckpointError (one line) otherwise."""
     path = Path(path)
+    if is_saved_dir(path):
+        raise CheckpointError(f"{path}: a saved model directory ({SAVED_CONFIG_FILE} + {WEIGHTS_FILE}) holds no run "
+                              "config or training state; give a run or checkpoint directory")
     meta = verify_checkpoint(path)
     try:
         run = RunConfig.load(path / CONFIG_FILE)
     except (OSError, ConfigError) as exc:
         raise CheckpointError(f"{path}: {CONFIG_FILE} cannot be loaded ({one_line(exc)})") from None
-    fmt = "dcp" if meta.get("format") == "dcp" else "safetensors"
+    fmt = DCP if meta.get("format") == DCP else SAFETENSORS
     return CheckpointFiles(path, int(meta["step"]), run, fmt, meta)
 
 
-def read_weights(files: CheckpointFiles) -> dict[str, torch.Tensor]:
-    """The model's state dict (CPU tensors): the safetensors file, or the full tensors gathered from a
-    DCP checkpoint's shards in this process."""
-    if files.format == "dcp":
-        from mhmoe.checkpoint.dcp_reader import read_dcp  # torch.distributed.checkpoint: only when needed
+@contextlib.contextmanager
+def unloadable(path: Path) -> Iterator[None]:
+    """Context of loading the content of checkpoint ``path``: any error but a CheckpointError (corrupted
+    content that passed the hash check, e.g. a foreign file) becomes a one-line CheckpointError, so the
+    loaders fall back to an older checkpoint (:func:`mhmoe.checkpoint.format.newest_valid`)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- reported in one line
+        raise CheckpointError(f"{path}: cannot be loaded ({exc.__class__.__name__}: {one_line(exc)})") from None
 
-        return read_dcp(files.path)["model"]
+
+def read_weights(files: CheckpointFiles) -> dict[str, torch.Tensor]:
+    """The model's state dict (CPU tensors): the safetensors file, or the model's full tensors gathered
+    from a DCP checkpoint's shards in this process (its optimizer items are not read)."""
+    if files.format == DCP:
+        return read_dcp_part(files.path, "model")
     return read_safetensors(files.weights, files.path)
+
+
+def read_dcp_part(path: Path, part: str) -> dict[str, Any]:
+    """One top-level entry of the state of DCP checkpoint ``path`` (``"model"``: FQN -> tensor,
+    ``"optim"``: the FQN-keyed optimizer state) as full tensors in this process; CheckpointError when it
+    holds none."""
+    from mhmoe.checkpoint.dcp_reader import read_dcp_full  # torch.distributed.checkpoint: only when needed
+
+    value = read_dcp_full(path / DCP_DIR, part).get(part)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: the DCP checkpoint holds no {part!r} state")
+    return value
 
 
 def read_safetensors(file: Path, where: Path) -> dict[str, torch.Tensor]:

@@ -21,14 +21,18 @@ from typing import Any
 
 import torch
 
-from mhmoe.checkpoint.format import (
+from mhmoe.checkpoint.format import list_checkpoints, publish_checkpoint
+from mhmoe.checkpoint.layout import (
+    CONFIG_FILE,
+    DCP,
     DCP_DIR,
     FORMAT_VERSION,
+    TOKENIZER_DIR,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
     checkpoint_path,
-    list_checkpoints,
-    publish_checkpoint,
+    step_of,
 )
-from mhmoe.checkpoint.read import CONFIG_FILE, TOKENIZER_DIR, TRAINER_STATE_FILE, WEIGHTS_FILE
 from mhmoe.errors import CheckpointError
 from mhmoe.runtime.files import atomic_write, new_staging_dir, no_space_error, remove_tree
 
@@ -62,7 +66,7 @@ def saving(run_dir: str | Path, step: int, final: Path | None = None) -> Iterato
         yield
     except BaseException as exc:
         where = final or checkpoint_path(run_dir, step)
-        kept = (f"the previous checkpoint step {int(before[-1].name.split('_')[1])} is intact" if before
+        kept = (f"the previous checkpoint step {step_of(before[-1].name)} is intact" if before
                 else "no earlier checkpoint exists")
         err = no_space_error(exc, f"while saving step {step} to {where}; {kept}")
         if err is not None:
@@ -115,4 +119,4 @@ def save_dcp_checkpoint_alone(run_dir: str | Path, step: int, state: dict[str, A
             dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=True)
         write_common_files(tmp, run, tokenizer, {k: v for k, v in trainer_state.items() if k != "optimizer"})
 
-    return _save(run_dir, step, "dcp", write, {"format": "dcp", "world_size": 1, "ep": 1}, keep_last)
+    return _save(run_dir, step, DCP, write, {"format": DCP, "world_size": 1, "ep": 1}, keep_last)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM, KVCache
 
 
@@ -22,6 +23,29 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits
 
 
+def new_tokens(max_seq_len: int, prompt_len: int, max_new_tokens: int, clamp: bool = False) -> int:
+    """How many tokens to generate after a prompt of ``prompt_len`` tokens within the model's context
+    (``max_seq_len``): ``max_new_tokens``, or with ``clamp`` as many of them as fit. ConfigError when the
+    prompt alone fills the context, or (without ``clamp``) the new tokens do not fit after it."""
+    room = max_seq_len - prompt_len
+    if room < 0 or (room == 0 and max_new_tokens > 0):
+        raise ConfigError("prompt", f"{prompt_len} tokens", f"fewer than max_seq_len={max_seq_len}")
+    if max_new_tokens > room and not clamp:
+        raise ConfigError("max_new_tokens", max_new_tokens, f"<= {room}: the prompt ({prompt_len} tokens) + the new "
+                          f"tokens must fit model.max_seq_len={max_seq_len}")
+    return min(max_new_tokens, room)
+
+
+def scaled_logits(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature`` [B, V] for sampling, safe for any temperature > 0: computed as
+    ``(logits - max) / temperature``, so the largest is 0 and the others are <= 0 (never ``inf - inf``):
+    a tiny temperature (1e-300) gives -inf to every logit below the maximum, i.e. greedy decoding with
+    ties shared; an infinite one gives 0 to every finite logit (uniform)."""
+    shifted = logits - logits.amax(-1, keepdim=True)
+    out = shifted / temperature
+    return torch.where(out.isnan(), float("-inf"), out)  # -inf / inf
+
+
 @torch.no_grad()
 def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, generator: torch.Generator | None = None) -> Tensor:
@@ -32,10 +56,7 @@ def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float 
     """
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ValueError(f"invalid prompt shape {tuple(prompt.shape)}: allowed [B, T] with T >= 1")
-    limit = model.cfg.max_seq_len - prompt.shape[1]
-    if max_new_tokens > limit:
-        raise ValueError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                         f"model.max_seq_len={model.cfg.max_seq_len}")
+    new_tokens(model.cfg.max_seq_len, prompt.shape[1], max_new_tokens)
     model.eval()
     cache = KVCache(model.cfg.n_layers)
     logits = model(prompt, cache=cache).logits[:, -1].float()
@@ -44,7 +65,7 @@ def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float 
         if temperature <= 0:
             nxt = logits.argmax(-1)
         else:
-            probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+            probs = filter_logits(scaled_logits(logits, temperature), top_k, top_p).softmax(-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         out.append(nxt[:, None])
         if eos_id is not None:

@@ -2,25 +2,25 @@
 
 A *saved directory* (what :meth:`PretrainedMixin.save_pretrained` writes) is the layout of a transformers
 model directory, so the same directory also loads with ``AutoModelForCausalLM.from_pretrained`` once
-``mhmoe.integrations.hf`` is imported::
+``mhmoe.integrations.hf`` is imported (names: :mod:`mhmoe.checkpoint.layout`)::
 
     config.json           {"model_type": "mhmoe", "mhmoe": {ModelConfig fields}, "vocab_size": ..., ...}
     model.safetensors     weights, keys "model.<LM parameter name>", tied embeddings stored once
     tokenizer/            the tokenizer (mhmoe.data.Tokenizer.save), when one was given
 
-:meth:`PretrainedMixin.from_pretrained` reads such a model directory or a ``mhmoe export --hf``
-directory itself; a checkpoint directory (``RUN/checkpoints/step_N``) or a run directory (its newest
-valid checkpoint) it reads through the one loader of run directories,
-:func:`mhmoe.checkpoint.open_checkpoint` with :func:`mhmoe.checkpoint.newest_valid` (hashes verified,
-as in training). Loading never executes code (safetensors and JSON/YAML only) and never reads outside
-the directory (fixed file names; symlinks that lead out are refused). Sharded (DCP) checkpoints hold an
-optimizer and a trainer state too: :func:`mhmoe.load` reads those.
+:func:`load_model` reads one such directory, a ``mhmoe export --hf`` directory or a checkpoint directory
+(``RUN/checkpoints/step_N``, single-file or sharded DCP, opened by :func:`mhmoe.checkpoint.read.open_checkpoint`:
+hashes verified, as in training); :meth:`PretrainedMixin.from_pretrained` also takes a run directory (its
+newest valid checkpoint, through :func:`mhmoe.checkpoint.format.newest_valid`, the one fallback loop of
+every loader). Loading never executes code (safetensors, JSON/YAML and the restricted DCP reader) and
+never reads outside the directory (fixed file names; symlinks that lead out are refused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,30 +28,45 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import save_file
 
-from mhmoe.checkpoint.format import check_links, is_checkpoint_dir, newest_valid
-from mhmoe.checkpoint.read import open_checkpoint, read_safetensors
+from mhmoe.checkpoint.format import check_links, newest_valid
+from mhmoe.checkpoint.layout import (
+    SAVED_CONFIG_FILE,
+    TOKENIZER_DIR,
+    TOKENIZER_DIRS,
+    WEIGHTS_FILE,
+    is_saved_dir,
+)
+from mhmoe.checkpoint.read import CheckpointFiles, open_checkpoint, read_safetensors, read_weights, unloadable
 from mhmoe.config.model import ModelConfig
+from mhmoe.config.run import RunConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
 from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, publish_dir, staging_dir
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_DIRS = ("tokenizer", "mhmoe_tokenizer")  # ours; the name `mhmoe export --hf` uses
 KEY_PREFIX = "model."  # transformers layout: MHMoEForCausalLM.model is the LM
 M = TypeVar("M", bound="PretrainedMixin")
+N = TypeVar("N", bound=torch.nn.Module)
 
 
 @dataclass(frozen=True)
 class PretrainedFiles:
-    """Where a loadable model's pieces are: its config, weights file, tokenizer directory (or None), the
-    training step (None for a saved directory) and the directory they were found in."""
+    """Where a loadable model's pieces are: its config, the directory, its tokenizer directory (or None)
+    and, for a training checkpoint, the opened checkpoint (step, run config, format)."""
 
     config: ModelConfig
-    weights: Path
-    tokenizer: Path | None
-    step: int | None
     path: Path
+    tokenizer: Path | None
+    checkpoint: CheckpointFiles | None = None
+
+    @property
+    def step(self) -> int | None:
+        """The training step (None for a saved directory)."""
+        return self.checkpoint.step if self.checkpoint is not None else None
+
+    @property
+    def run(self) -> RunConfig | None:
+        """The run config (None for a saved directory)."""
+        return self.checkpoint.run if self.checkpoint is not None else None
 
 
 def _tokenizer_dir(d: Path) -> Path | None:
@@ -62,28 +77,29 @@ def saved_dir_files(d: Path) -> PretrainedFiles:
     """A saved (or ``export --hf``) directory: ``config.json`` with an ``mhmoe`` model config + weights."""
     check_links(d)
     try:
-        meta = load_json((d / CONFIG_FILE).read_text(encoding="utf-8"), str(d / CONFIG_FILE))
+        meta = load_json((d / SAVED_CONFIG_FILE).read_text(encoding="utf-8"), str(d / SAVED_CONFIG_FILE))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{d}: unreadable {CONFIG_FILE} ({one_line(exc)})") from None
+        raise CheckpointError(f"{d}: unreadable {SAVED_CONFIG_FILE} ({one_line(exc)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("mhmoe"), dict):
-        raise CheckpointError(f"{d}: {CONFIG_FILE} is not an mhmoe model config (no \"mhmoe\" section)")
+        raise CheckpointError(f"{d}: {SAVED_CONFIG_FILE} is not an mhmoe model config (no \"mhmoe\" section)")
     try:
         cfg = ModelConfig.from_dict(dict(meta["mhmoe"]))
     except ConfigError as exc:
-        raise CheckpointError(f"{d}: {CONFIG_FILE}: {exc}") from None
+        raise CheckpointError(f"{d}: {SAVED_CONFIG_FILE}: {exc}") from None
     if not (d / WEIGHTS_FILE).is_file():
         raise CheckpointError(f"{d}: missing {WEIGHTS_FILE}")
-    return PretrainedFiles(cfg, d / WEIGHTS_FILE, _tokenizer_dir(d), None, d)
+    return PretrainedFiles(cfg, d, _tokenizer_dir(d))
 
 
-def checkpoint_dir_files(d: Path) -> PretrainedFiles:
-    """A training checkpoint directory, opened by :func:`mhmoe.checkpoint.open_checkpoint` (meta.json
-    verified: sizes, hashes, names inside the directory; config read)."""
-    files = open_checkpoint(d)
-    if files.format == "dcp":
-        raise CheckpointError(f"{d}: a sharded (DCP) checkpoint; load it with mhmoe.load(path), or convert it "
-                              "with `mhmoe convert-checkpoint PATH OUT --to safetensors`")
-    return PretrainedFiles(files.run.model, files.weights, _tokenizer_dir(d), files.step, d)
+def checkpoint_model_files(files: CheckpointFiles) -> PretrainedFiles:
+    """The model pieces of an opened checkpoint directory (single-file or DCP)."""
+    return PretrainedFiles(files.run.model, files.path, _tokenizer_dir(files.path), files)
+
+
+def pretrained_files(d: Path) -> PretrainedFiles:
+    """One saved, export --hf or checkpoint directory (single-file or DCP; opened by
+    :func:`mhmoe.checkpoint.read.open_checkpoint`: meta.json verified, config read)."""
+    return saved_dir_files(d) if is_saved_dir(d) else checkpoint_model_files(open_checkpoint(d))
 
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: Path | str) -> None:
@@ -106,21 +122,31 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: Pa
 
 
 def load_weights(model: torch.nn.Module, files: PretrainedFiles) -> None:
-    """Load ``files.weights`` into ``model`` (keys with or without the transformers ``model.`` prefix);
-    CheckpointError unless every parameter is present with its shape (:func:`load_state`)."""
-    state = read_safetensors(files.weights, files.path)
-    if state and all(k.startswith(KEY_PREFIX) for k in state):
-        state = {k[len(KEY_PREFIX):]: v for k, v in state.items()}
+    """Load the weights of ``files`` into ``model`` (a saved directory's keys with or without the
+    transformers ``model.`` prefix; a checkpoint's single file or DCP shards); CheckpointError unless
+    every parameter is present with its shape (:func:`load_state`)."""
+    if files.checkpoint is not None:
+        state = read_weights(files.checkpoint)
+    else:
+        state = read_safetensors(files.path / WEIGHTS_FILE, files.path)
+        if state and all(k.startswith(KEY_PREFIX) for k in state):
+            state = {k[len(KEY_PREFIX):]: v for k, v in state.items()}
     load_state(model, state, files.path)
 
 
+def load_model(files: PretrainedFiles, build: Callable[[ModelConfig], N]) -> N:
+    """``build(files.config)`` with the weights of ``files`` loaded (on the CPU, train mode);
+    CheckpointError (one line) for anything unloadable."""
+    model = build(files.config)
+    with unloadable(files.path):
+        load_weights(model, files)
+    return model
+
+
 def find_pretrained(path: str | os.PathLike[str], warn: bool = True) -> PretrainedFiles:
-    """The model files of a saved directory, a checkpoint directory or a run directory (newest valid
-    checkpoint; a damaged one is reported on stderr and the previous one is used)."""
-    p = Path(path)
-    if (p / CONFIG_FILE).is_file() and not is_checkpoint_dir(p):
-        return saved_dir_files(p)
-    return newest_valid(p, checkpoint_dir_files, warn=warn)
+    """Where the model pieces of a saved directory, a checkpoint directory or a run directory (newest valid
+    checkpoint; a damaged one is reported on stderr and the previous one is used) are."""
+    return newest_valid(path, pretrained_files, warn=warn)
 
 
 def _weights_for_saving(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -146,11 +172,10 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls: type[M], path: str | os.PathLike[str], device: str | torch.device = "cpu",
                         warn: bool = True) -> M:
-        """The model stored at ``path`` (saved directory, ``export --hf`` directory, checkpoint directory or
-        run directory), in eval mode on ``device``. CheckpointError (one line) for anything unloadable."""
-        files = find_pretrained(path, warn=warn)
-        model = cls(files.config)
-        load_weights(model, files)
+        """The model stored at ``path`` (saved directory, ``export --hf`` directory, checkpoint directory of
+        either format, or run directory: its newest valid checkpoint), in eval mode on ``device``.
+        CheckpointError (one line) for anything unloadable."""
+        model = newest_valid(path, lambda d: load_model(pretrained_files(d), cls), warn=warn)  # type: ignore
         return model.to(device).eval()
 
     def save_pretrained(self, directory: str | os.PathLike[str], tokenizer: Any = None,
@@ -167,8 +192,8 @@ class PretrainedMixin:
         with staging_dir(out) as tmp:
             save_file(_weights_for_saving(self, self.cfg), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             eos = getattr(tokenizer, "eos_id", None)
-            atomic_write(tmp / CONFIG_FILE, json.dumps(config_json(self.cfg, eos), indent=2), durable=False)
+            atomic_write(tmp / SAVED_CONFIG_FILE, json.dumps(config_json(self.cfg, eos), indent=2), durable=False)
             if tokenizer is not None:
-                tokenizer.save(tmp / TOKENIZER_DIRS[0])
+                tokenizer.save(tmp / TOKENIZER_DIR)
             publish_dir(tmp, out, replace=True)
         return out

@@ -1,8 +1,7 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP) in a torchrun job: the collective
 save from any world size and the resharded load at any other (DCP reshards by global tensor offsets).
-Only what needs a process group is here; the format, the restricted reader, single-process reading and
-the conversions are :mod:`mhmoe.checkpoint` and :mod:`mhmoe.train.checkpoint` (``dcp_to_safetensors``
-and ``safetensors_to_dcp`` are re-exported here for old imports; import them from there).
+Only what needs a process group is here; the format, the restricted reader and single-process reading
+are :mod:`mhmoe.checkpoint` and :mod:`mhmoe.loading`, the conversions :mod:`mhmoe.train.convert`.
 
 Layout of a DCP checkpoint (same directory scheme as single-file checkpoints)::
 
@@ -18,7 +17,7 @@ placements ``[Replicate(), Shard(0)]`` (DDP) or on the ``("ep", "dp")`` mesh wit
 already; DDP parameters are plain replicated tensors (DCP writes one copy). All ranks write into a
 hidden temporary directory that rank 0 publishes (fsync'd, renamed into place) after the metadata is
 complete, so a crash never leaves a half-written checkpoint under a real name (a shared filesystem is
-assumed across nodes). :func:`mhmoe.train.checkpoint.load_checkpoint` reads DCP checkpoints in one
+assumed across nodes). :func:`mhmoe.loading.checkpoint.load_checkpoint` reads DCP checkpoints in one
 process, so ``eval``, ``generate`` and a single-process ``train --resume`` accept them.
 
 Checkpoints are read only through :mod:`mhmoe.checkpoint.dcp_reader` (a restricted unpickler for
@@ -39,28 +38,27 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mhmoe.checkpoint import (
+from mhmoe.checkpoint.dcp_reader import SafeFileSystemReader
+from mhmoe.checkpoint.format import newest_valid, publish_checkpoint, verify_checkpoint
+from mhmoe.checkpoint.layout import (
+    CONFIG_FILE,
+    CONVERT_DIR,
+    DCP,
     DCP_DIR,
     FORMAT_VERSION,
-    list_checkpoints,
-    model_is_finite,
-    publish_checkpoint,
-    read_trainer_state,
-    verify_checkpoint,
-    warn_if_unsafe_torch,
+    TOKENIZER_DIR,
+    checkpoint_path,
 )
-from mhmoe.checkpoint.dcp_reader import SafeFileSystemReader
-from mhmoe.checkpoint.format import checkpoint_path
-from mhmoe.checkpoint.write import saving, stage_checkpoint, write_common_files
+from mhmoe.checkpoint.read import read_trainer_state, warn_if_unsafe_torch
+from mhmoe.checkpoint.write import model_is_finite, saving, stage_checkpoint, write_common_files
 from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer import load_tokenizer
 from mhmoe.errors import CheckpointError, one_line
+from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.runtime.files import remove_tree, staging_path
-from mhmoe.train.checkpoint import Checkpoint, dcp_to_safetensors, safetensors_to_dcp, to_dcp
+from mhmoe.train.convert import to_dcp
 
-__all__ = ["dcp_to_safetensors", "load_dcp_into", "open_latest_dcp", "safetensors_to_dcp", "save_dcp_checkpoint"]
-
-CONVERT_DIR = ".dcp-resume"  # RUN/.dcp-resume/: a single-file checkpoint converted for a torchrun resume
+__all__ = ["load_dcp_into", "open_latest_dcp", "save_dcp_checkpoint"]
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Any | None) -> dict[str, Any]:
@@ -126,7 +124,7 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
     if not _agree(model_is_finite(model), distributed):
         raise CheckpointError(f"refusing to save step {step}: the model has non-finite parameters")
     final = checkpoint_path(run_dir, step)
-    tmp = staging_path(final, "dcp")
+    tmp = staging_path(final, DCP)
 
     def on_rank0(write: Any) -> None:  # rank 0 alone writes; every rank learns whether it worked
         error = None
@@ -140,7 +138,7 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
         if not _agree(error is None, distributed):
             raise error if error is not None else CheckpointError(f"saving step {step} failed on rank 0")
 
-    on_rank0(lambda: stage_checkpoint(run_dir, step, "dcp"))
+    on_rank0(lambda: stage_checkpoint(run_dir, step, DCP))
     try:
         with warnings.catch_warnings(), saving(run_dir, step):
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")  # single process: intended
@@ -155,7 +153,7 @@ def save_dcp_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimi
     def finish() -> None:
         write_common_files(tmp, run, tokenizer, {k: v for k, v in trainer_state.items() if k != "optimizer"})
         publish_checkpoint(tmp, final, run_dir, {
-            "format_version": FORMAT_VERSION, "format": "dcp", "step": step,
+            "format_version": FORMAT_VERSION, "format": DCP, "step": step,
             "world_size": dist.get_world_size() if distributed else 1,
             "ep": par.env.ep if par is not None else 1}, keep_last)
 
@@ -199,32 +197,33 @@ def _one_error(path: Path, exc: CheckpointException) -> CheckpointError:
     return CheckpointError(f"{path}: cannot be loaded ({first.__class__.__name__}: {one_line(first)})")
 
 
+def _probe(path: Path) -> tuple[Path, dict[str, Any]]:
+    """(path, meta.json) of a checkpoint a torchrun resume can start from: verified, and a DCP one's
+    ``.metadata`` and trainer state readable (refused ones fall back like corrupted ones)."""
+    meta = verify_checkpoint(path)
+    if meta.get("format") == DCP:
+        SafeFileSystemReader(path / DCP_DIR).read_metadata()
+        read_trainer_state(path, int(meta["step"]), for_resume=True)
+    return path, meta
+
+
 def open_latest_dcp(run_dir: str | Path) -> Checkpoint:
     """The newest valid checkpoint of ``run_dir`` for a multi-process resume, without loading tensors:
     a Checkpoint with ``model=None`` and ``trainer_state=None`` (load them with :func:`load_dcp_into`).
-    A corrupted checkpoint falls back to the previous one, as :func:`mhmoe.train.checkpoint.load_latest` does."""
-    errors = []
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            meta = verify_checkpoint(path)
-            if meta.get("format") == "dcp":  # a refused .metadata or trainer state falls back like a corrupted one
-                SafeFileSystemReader(path / DCP_DIR).read_metadata()
-                read_trainer_state(path, int(meta["step"]), for_resume=True)
-        except CheckpointError as exc:
-            errors.append(str(exc))
-            continue
-        if meta.get("format") != "dcp":  # a single-process checkpoint: rank 0 converts it to DCP first
-            conv = Path(run_dir) / CONVERT_DIR
-            error = None
-            if dist.get_rank() == 0:
-                try:
-                    remove_tree(conv)
-                    path = to_dcp(path, conv)
-                except Exception as exc:  # noqa: BLE001 -- reported on every rank below
-                    error = exc
-            if not _agree(error is None, True):
-                raise error if error is not None else CheckpointError(f"{path}: conversion to DCP failed on rank 0")
-            path = list_checkpoints(conv)[-1]
-        return Checkpoint(path, int(meta["step"]), RunConfig.load(path / "config.yaml"), None,
-                          load_tokenizer(path / "tokenizer"), None)
-    raise CheckpointError(f"{run_dir}: no valid checkpoint ({errors[0] if errors else 'none found'})")
+    A corrupted checkpoint falls back to the previous one (:func:`mhmoe.checkpoint.format.newest_valid`,
+    reported on rank 0); a single-file one is converted to DCP by rank 0 first."""
+    path, meta = newest_valid(run_dir, _probe, warn=not dist.is_initialized() or dist.get_rank() == 0)
+    if meta.get("format") != DCP:  # a single-process checkpoint: rank 0 converts it to DCP first
+        conv = Path(run_dir) / CONVERT_DIR
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                remove_tree(conv)
+                path = to_dcp(path, conv)
+            except Exception as exc:  # noqa: BLE001 -- reported on every rank below
+                error = exc
+        if not _agree(error is None, True):
+            raise error if error is not None else CheckpointError(f"{path}: conversion to DCP failed on rank 0")
+        path = checkpoint_path(conv, int(meta["step"]))
+    return Checkpoint(path, int(meta["step"]), RunConfig.load(path / CONFIG_FILE), None,
+                      load_tokenizer(path / TOKENIZER_DIR), None, DCP)
