@@ -1,6 +1,7 @@
 """Suite definitions are at parity; suites resume at run level."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ def test_unknown_suite_and_bad_scale():
 
 
 def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     calls = []
 
     def fake_train(run, run_dir, resume=False, progress=True):
@@ -65,20 +67,24 @@ def test_run_level_resume_reuses_finished_runs(tmp_path, monkeypatch):
         (run_dir / "eval.jsonl").write_text(json.dumps({"step": 1, "kjv_ppl": 12.0}) + "\n")
 
     monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
-    res = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
+    res = reproduce.run_suite("v2-table5", out, seeds=2, progress=False)
     assert len(calls) == 8 and len(res) == 8
     assert {c[1] for c in calls} == {1337, 1338}  # seeds offset the preset's seed
     assert [c[1] for c in calls] == [1337] * 4 + [1338] * 4  # seed-major: whole seeds first
-    again = reproduce.run_suite("v2-table5", tmp_path, seeds=2, progress=False)
+    again = reproduce.run_suite("v2-table5", out, seeds=2, progress=False)
     assert len(calls) == 8 and [r["eval"] for r in again] == [r["eval"] for r in res]
-    md = (tmp_path / "results.md").read_text()
+    md = (out / "results.md").read_text()
     assert "± " in md and "11.60" in md  # mean ± std over seeds, the paper's number beside ours
-    assert (tmp_path / "results.csv").read_text().count("\n") == 9
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert (out / "results.csv").read_text().count("\n") == 9
+    assert (out / "curves.png").stat().st_size > 0
 
 
-def test_reuse_refuses_a_run_with_a_different_config(tmp_path, monkeypatch):
+def test_a_changed_config_is_another_run_and_an_old_folder_refuses_it(tmp_path, monkeypatch):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
+    calls = []
+
     def fake_train(run, run_dir, resume=False, progress=True):
+        calls.append(run.train.lr)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(run.to_yaml())
         (run_dir / "results.json").write_text(json.dumps({
@@ -86,13 +92,20 @@ def test_reuse_refuses_a_run_with_a_different_config(tmp_path, monkeypatch):
             "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": 10.0, "loss": 2.3}}}))
 
     monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
-    reproduce.run_suite("v2-table5", tmp_path, progress=False)
-    reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.eval_batches=3"])  # bookkeeping
+    reproduce.run_suite("v2-table5", out, seeds=1, progress=False)
+    reproduce.run_suite("v2-table5", out, seeds=1, progress=False, overrides=["train.eval_batches=3"])  # bookkeeping
+    assert len(calls) == 4
+    reproduce.run_suite("v2-table5", out, seeds=1, progress=False, overrides=["train.lr=1e-4"])
+    assert calls[4:] == [1e-4] * 4 and len(list((tmp_path / "store" / "records").glob("*.json"))) == 8
+    # an older folder keeps its runs as OUT/<label>/seed<k>/: a different config there is refused
+    row = reproduce.suite_rows("v2-table5")[0]
+    fake_train(row.build("tiny"), reproduce._run_dir(tmp_path / "old", row.label, 0))
     with pytest.raises(ConfigError, match="train.lr"):
-        reproduce.run_suite("v2-table5", tmp_path, progress=False, overrides=["train.lr=1e-4"])
+        reproduce.run_suite("v2-table5", tmp_path / "old", seeds=1, progress=False, overrides=["train.lr=1e-4"])
 
 
 def test_report_only_trains_nothing_and_reports_finished_runs(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     calls = []
 
     def fake_train(run, run_dir, resume=False, progress=True):
@@ -104,14 +117,14 @@ def test_report_only_trains_nothing_and_reports_finished_runs(tmp_path, monkeypa
 
     monkeypatch.setattr("mhmoe.train.loop.train", fake_train)
     with pytest.raises(ConfigError):  # nothing finished yet
-        reproduce.run_suite("v2-table5", tmp_path, progress=False, train_missing=False)
-    assert main(["reproduce", "v2-table5", "--out", str(tmp_path), "--report-only", "--no-progress"]) == 2
+        reproduce.run_suite("v2-table5", out, progress=False, train_missing=False)
+    assert main(["reproduce", "v2-table5", "--out", str(out), "--report-only", "--no-progress"]) == 2
     first = reproduce.suite_rows("v2-table5")[0]
-    fake_train(first.build("tiny"), reproduce._run_dir(tmp_path, first.label, 0))
+    fake_train(first.build("tiny"), reproduce._run_dir(out, first.label, 0))
     calls.clear()
-    res = reproduce.run_suite("v2-table5", tmp_path, progress=False, train_missing=False)
+    res = reproduce.run_suite("v2-table5", out, progress=False, train_missing=False)
     assert calls == [] and [r["label"] for r in res] == [first.label]
-    md = (tmp_path / "results.md").read_text()
+    md = (out / "results.md").read_text()
     assert first.label in md and md.count("\n| ") == 2  # header + the one finished row
 
 
@@ -123,49 +136,54 @@ def _fake_trainer(calls):
         ppl = 100.0 + run.train.seed - 1337 + (5.0 if run.model.moe.renormalize is False else 0.0)
         (run_dir / "results.json").write_text(json.dumps({
             "preset": run.name, "step": 200, "params": 7_480_000, "fwd_flops_per_token": 6_690_000.0,
-            "tokens_per_s": 4000.0, "train_s": 1.0, "nan_skips": 0, "eval": {"kjv": {"ppl": ppl, "loss": 4.6}}}))
+            "tokens_per_s": 4000.0, "train_s": 1.0, "nan_skips": 0,
+            "eval": {"kjv": {"ppl": ppl, "loss": math.log(ppl)}}}))
     return fake_train
 
 
 def test_summary_json_holds_the_printed_numbers_and_the_papers(tmp_path, monkeypatch):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer([]))
-    reproduce.run_suite("v2-table4", tmp_path, seeds=3, progress=False)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    reproduce.run_suite("v2-table4", out, seeds=3, progress=False)
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["suite"] == "v2-table4" and summary["seeds"] == 3 and summary["validation_sets"] == ["kjv"]
     row = summary["rows"][-1]
     assert row["label"] == "MH-MoE (head=2)" and row["train_seeds"] == [1337, 1338, 1339]
     assert row["ppl"]["kjv"] == {"mean": 101.0, "std": 1.0, "per_seed": [100.0, 101.0, 102.0]}
     assert row["paper"] == {"RedPajama": 11.46, "Wiki": 9.98, "C4": 14.89}
     assert row["params_M"] == 7.48 and row["fwd_flops_per_token_M"] == 6.69
-    md = (tmp_path / "results.md").read_text()
+    md = (out / "results.md").read_text()
     assert "101.00 ± 1.00" in md and "11.46" in md
     assert "Table 4 prints 11.46" in md and "11.60" in md  # the paper's inconsistency is stated
     assert any("11.60" in n for n in summary["notes"])
 
 
 def test_renorm_ablation_reuses_the_v2_table1_runs(tmp_path, monkeypatch):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     calls = []
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
-    reproduce.run_suite("v2-table1", tmp_path, seeds=2, progress=False)
+    reproduce.run_suite("v2-table1", out, seeds=2, progress=False)
     assert len(calls) == 10 and all(c[2] is None for c in calls)
     calls.clear()
-    res = reproduce.run_suite("renorm-ablation", tmp_path, seeds=2, progress=False)
+    res = reproduce.run_suite("renorm-ablation", out, seeds=2, progress=False)
     assert len(calls) == 6 and all(c[2] is False for c in calls)  # only the raw-weight rows are new
     assert len(res) == 14
-    rows = {r["label"]: r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    rows = {r["label"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert rows["MH-MoE (head=3), raw top-k weights"]["ppl"]["kjv"]["mean"] == 105.5
     assert rows["MH-MoE (head=3)"]["ppl"]["kjv"]["mean"] == 100.5
 
 
 def test_rows_selects_a_subset_of_the_table(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     calls = []
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
-    res = reproduce.run_suite("icml-table1", tmp_path, only=["X-MoE (8 experts)", "MH-MoE (8 experts)"], progress=False)
+    res = reproduce.run_suite("icml-table1", out, only=["X-MoE (8 experts)", "MH-MoE (8 experts)"], seeds=1,
+                              progress=False)
     assert [r["label"] for r in res] == ["X-MoE (8 experts)", "MH-MoE (8 experts)"] and len(calls) == 2
-    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (8 experts)",
+    assert main(["reproduce", "icml-table1", "--out", str(out), "--rows", "X-MoE (8 experts)",
                  "--report-only"]) == 0
-    assert "MH-MoE (8 experts)" not in (tmp_path / "results.md").read_text()
-    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--rows", "X-MoE (9 experts)"]) == 2
+    assert "MH-MoE (8 experts)" not in (out / "results.md").read_text()
+    assert main(["reproduce", "icml-table1", "--out", str(out), "--rows", "X-MoE (9 experts)"]) == 2
     assert "--rows" in capsys.readouterr().err
 
 
@@ -210,14 +228,24 @@ def test_icml_table6_has_the_papers_rows_once():
 
 
 def test_summary_marks_separated_pairs(tmp_path, monkeypatch):
+    out = tmp_path / "suite"  # the run store goes beside it, into tmp_path/store
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer([]))
-    reproduce.run_suite("renorm-ablation", tmp_path, seeds=2, progress=False)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    reproduce.run_suite("renorm-ablation", out, seeds=2, progress=False)
+    summary = json.loads((out / "summary.json").read_text())
     pairs = {(c["a"], c["b"]): c for c in summary["comparisons"]}
     raw = pairs[("Fine-grained SMoE", "Fine-grained SMoE, raw top-k weights")]
-    # fake perplexities: 100/101 (renormalised) vs 105/106 (raw): every seed below every seed
-    assert raw["separated"] and raw["lower"] == "Fine-grained SMoE" and raw["mean_diff"] == 5.0
+    # fake perplexities: 100/101 (renormalised) vs 105/106 (raw): seed for seed, ln(100/105) and ln(101/106)
+    assert raw["separated"] and raw["lower"] == "Fine-grained SMoE" and raw["ppl_mean_diff"] == 5.0
+    assert raw["mean_diff"] == pytest.approx((math.log(100 / 105) + math.log(101 / 106)) / 2)
+    assert raw["n"] == 2 and raw["p_sign_flip"] == 0.5 and raw["p_min"] == 0.5
     same = pairs[("SMoE", "Fine-grained SMoE")]
     assert not same["separated"] and same["mean_diff"] == 0.0
-    md = (tmp_path / "results.md").read_text()
-    assert "Separated pairs" in md and "kjv: Fine-grained SMoE < Fine-grained SMoE, raw top-k weights" in md
+    primary = pairs[("MH-MoE (head=3)", "MH-MoE (head=3), raw top-k weights")]  # the suite's primary order
+    assert primary["primary"] and primary["mean_diff"] < 0
+    sep = summary["separation"]
+    assert sep["compared"] == len(summary["comparisons"]) == 21 and sep["expected_by_chance"] == 1.05
+    assert sep["separated"] == sum(c["separated"] for c in summary["comparisons"])
+    md = (out / "results.md").read_text()
+    assert f"{sep['separated']} of 21 pairs compared, 1.05 expected by chance" in md
+    assert "kjv: Fine-grained SMoE < Fine-grained SMoE, raw top-k weights" in md
+    assert "Primary comparison (kjv validation loss" in md and "MH-MoE (head=3) - MH-MoE (head=3), raw" in md

@@ -48,29 +48,32 @@ def test_blocks_are_the_papers_rows():
 def test_icml_table1_runs_and_reports_all_three_settings(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_train(calls))
-    res = reproduce.run_table("icml-table1", tmp_path, seeds=2, progress=False)
+    out = tmp_path / "suite"  # its run store: tmp_path/store; its blocks' (OUT/<block>/): OUT/store
+    res = reproduce.run_table("icml-table1", out, seeds=2, progress=False)
     assert len(res) == len(calls) == 3 * 5 * 2
     assert sum(c[1] == "masked_mm" for c in calls) == 10
     for block in BLOCKS:
-        assert (tmp_path / block / "results.csv").read_text().count("\n") == 11
-        assert (tmp_path / block / "X-MoE__8_experts_" / "seed1" / "results.json").is_file()
-    md = (tmp_path / "results.md").read_text()
+        assert (out / block / "results.csv").read_text().count("\n") == 11
+    assert len(list((out / "store" / "records").glob("*.json"))) == 20
+    assert len(list((tmp_path / "store" / "records").glob("*.json"))) == 10
+    md = (out / "results.md").read_text()
     assert md.index("# icml-table1\n") < md.index("# icml-table1-multilingual") < md.index("# icml-table1-multimodal")
     for col in ("ours man-ja", "ours man-pt-br", "ours manpages", "ours masked_image", "ours masked_text"):
         assert col in md
     assert "8.56" in md and "17.95" in md and "± " in md
     # a second call reuses every run
-    reproduce.run_table("icml-table1", tmp_path, seeds=2, progress=False)
+    reproduce.run_table("icml-table1", out, seeds=2, progress=False)
     assert len(calls) == 30
 
 
 def test_report_only_leaves_out_blocks_without_runs(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_train(calls))
-    reproduce.run_table("icml-table1-multimodal", tmp_path / BLOCKS[1], progress=False)
+    out = tmp_path / "suite"
+    reproduce.run_table("icml-table1-multimodal", out / BLOCKS[1], seeds=1, progress=False)
     assert len(calls) == 5
-    assert main(["reproduce", "icml-table1", "--out", str(tmp_path), "--report-only", "--no-progress"]) == 0
-    md = (tmp_path / "results.md").read_text()
+    assert main(["reproduce", "icml-table1", "--out", str(out), "--report-only", "--no-progress"]) == 0
+    md = (out / "results.md").read_text()
     assert "# icml-table1-multimodal" in md and "# icml-table1-multilingual" not in md and len(calls) == 5
     with pytest.raises(ConfigError, match="finished icml-table1 runs"):
         reproduce.run_table("icml-table1", tmp_path / "empty", train_missing=False)

@@ -25,8 +25,9 @@ def _fake_train(run, run_dir, resume=False, progress=True):
 def suite(tmp_path, monkeypatch):
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_train)
     only = ["X-MoE (8 experts)", "MH-MoE (8 experts)", "X-MoE (256 experts)", "MH-MoE (256 experts)"]
-    reproduce.run_suite("icml-fig6", tmp_path, seeds=2, progress=False, only=only)
-    return tmp_path
+    out = tmp_path / "suite"  # its runs go to the run store beside it
+    reproduce.run_suite("icml-fig6", out, seeds=2, progress=False, only=only)
+    return out
 
 
 def _analysis(suite_dir, labels):

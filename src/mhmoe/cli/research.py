@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,19 +14,29 @@ def _add_reproduce(sub) -> None:
     from mhmoe.research.suites import SUITE_SCALES, SUITES
 
     p = sub.add_parser("reproduce",
-                       description="Train and evaluate the rows of a paper table into OUT/<row>/seed<k>/ and write "
-                       "OUT/results.md (ours beside the paper's), results.csv, results.json and curves.png. "
-                       "Suites: " + ", ".join(SUITES))
+                       description="Train and evaluate the rows of a paper table (each run once, in the run store) "
+                       "and write OUT/results.md (ours beside the paper's, the primary comparisons, the separated "
+                       "pairs beside the number expected by chance), results.csv, results.json (per-seed "
+                       "evaluation curves, epochs, machine, versions, commit, command), summary.json and "
+                       "curves.png. Suites: " + ", ".join(SUITES))
     p.add_argument("suite", metavar="SUITE", choices=list(SUITES), help=" | ".join(SUITES))
     p.add_argument("--scale", default="tiny", choices=list(SUITE_SCALES), help="model size of every row")
-    p.add_argument("--seeds", type=int, default=1, help="seeds per row (seed k trains with train.seed + k)")
+    p.add_argument("--seeds", type=int, help="seeds per row, shared by the rows (seed k trains with train.seed + k, "
+                   "so rows pair by seed; default: 5 for the rows of the suite's primary comparisons, 3 for the "
+                   "others)")
     p.add_argument("--tokens", type=int, help="training token budget per run (default: the preset's)")
-    p.add_argument("--minutes", type=float, help="wall-clock budget of the whole suite instead of --tokens: every "
-                   "run gets the same tokens, calibrated by timing each row's training steps here "
-                   "(OUT/budget.json; default: none)")
+    p.add_argument("--minutes", type=float, help="wall-clock budget of the whole suite instead of --tokens: training, "
+                   "evaluation, checkpoints and the calibration itself; every run gets the same tokens, calibrated "
+                   "here (OUT/budget.json; one process; default: none)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="train.device of every run (default: the "
                    "preset's, cpu)")
+    p.add_argument("--data", metavar="CORPUS", help="training corpus of every run (= --set data.corpus=CORPUS; "
+                   "default: the suite's)")
     p.add_argument("--out", metavar="DIR", help="suite directory (default: runs/reproduce/SUITE-SCALE)")
+    p.add_argument("--store", metavar="DIR", help="run store: every run trained once, shared by the suites that use "
+                   "it (default: store/ beside the suite directory)")
+    p.add_argument("--records", metavar="DIR", help="where each finished run's record goes, a small JSON file to "
+                   "commit (default: STORE/records)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override for every run (repeatable; "
                    "default: none)")
     p.add_argument("--rows", action="append", metavar="LABEL", help="train and report only this row "
@@ -41,9 +52,11 @@ def _run_reproduce(args: argparse.Namespace) -> int:
 
     suite_rows(args.suite)
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
-    overrides = ([f"train.device={args.device}"] if args.device else []) + list(args.set or [])
+    overrides = ([f"train.device={args.device}"] if args.device else []) + (
+        [f"data.corpus={args.data}"] if args.data else []) + list(args.set or [])
     run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=overrides,
-              progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes)
+              progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes,
+              store=args.store, records=args.records)
     print(open(f"{out}/results.md", encoding="utf-8").read())
     return 0
 
@@ -59,6 +72,20 @@ def _add_analyze(sub) -> None:
     p.add_argument("--scaling", action="store_true", help="with --suite: also write DIR/scaling.png/json, validation "
                    "perplexity and expert activation ratio against the number of experts per model family "
                    "(suite icml-fig6; ICML Fig. 6a / Fig. 9)")
+    p.add_argument("--power", action="store_true", help="with --suite (a pilot, e.g. decisive-pilot): fit the noise "
+                   "of the primary pair's paired loss difference against tokens seen from the per-seed evaluation "
+                   "curves and print the tokens per run that detect --gap with 95%% probability at --seeds seeds "
+                   "(DIR/power.json)")
+    p.add_argument("--gap", type=float, metavar="NATS", help="--power: the true gap to "
+                   "detect, in nats of validation loss (default: the v2 paper's MH-MoE (head=3) vs SMoE, "
+                   "ln(10.90/10.51) = 0.0364)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[5], metavar="N", help="--power: seed counts of the "
+                   "planned experiment")
+    p.add_argument("--pair", nargs=2, metavar=("A", "B"), help="--power: the two row labels (default: the suite's "
+                   "first primary comparison)")
+    p.add_argument("--val-set", metavar="NAME", help="--power: validation set (default: the training corpus's own)")
+    p.add_argument("--late-fraction", type=float, default=0.5, metavar="F", help="--power: fit the evaluation "
+                   "points with tokens >= F x the last point's")
     p.add_argument("--out", metavar="DIR", help="output directory (default: RUN/analysis, in the run directory "
                    "even when a checkpoint directory is given)")
     p.add_argument("--data", help="held-out text: corpus name or path (default: the run's validation split)")
@@ -101,6 +128,10 @@ def _run_analyze(args: argparse.Namespace) -> int:
         raise ConfigError("--scaling", True, "--suite DIR (it reads a reproduce directory)")
     if args.polysemy and args.suite:
         raise ConfigError("--polysemy", True, "--checkpoint RUN (one run at a time)")
+    if args.power:
+        if not args.suite or args.scaling:
+            raise ConfigError("--power", True, "--suite DIR (a pilot suite's folder) and no --scaling")
+        return _run_power(args)
     if args.suite:
         return _run_analyze_suite(args)
     out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
@@ -173,6 +204,42 @@ def run_directory(path: Path) -> Path:
     if path.parent.name == "checkpoints" and path.name.startswith("step_"):
         return path.parent.parent
     return path
+
+
+def _run_power(args: argparse.Namespace) -> int:
+    from mhmoe.errors import ConfigError
+    from mhmoe.research.power import PAPER_GAP, suite_power
+
+    gap = PAPER_GAP if args.gap is None else args.gap
+    if not gap > 0 or any(n < 2 for n in args.seeds) or not 0 <= args.late_fraction < 1:
+        raise ConfigError("--gap/--seeds/--late-fraction", (gap, args.seeds, args.late_fraction),
+                          "--gap > 0, --seeds >= 2 each, 0 <= --late-fraction < 1")
+    res = suite_power(Path(args.suite), gap, args.seeds, tuple(args.pair) if args.pair else None, args.val_set,
+                      args.late_fraction)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(_format_power(res))
+    print(f"{args.suite}/power.json", file=sys.stderr)
+    return 0
+
+
+def _format_power(res: dict) -> str:
+    law, end = res["law"], res["sd_at_pilot_end"]
+    lines = [f"pilot {res['suite_dir']} ({res['suite']}): {res['pair'][0]} - {res['pair'][1]} on {res['val_set']}, "
+             f"{res['pilot_seeds']} seeds, {len(res['points'])} evaluation points",
+             f"noise law, fitted on {law['points']} points from {law['tokens_min']:,} to {law['tokens_max']:,} tokens: "
+             f"sd of the paired difference = {math.exp(law['log_scale']):.4g} * tokens^{law['slope']:.3f}",
+             f"at {end['tokens']:,} tokens: observed sd {end['observed']:.4f} (fitted {end['fitted']:.4f}), mean "
+             f"difference {end['mean_diff']:+.4f} nats",
+             f"to detect a gap of {res['gap_nats']:.4f} nats (95% paired-t CI excludes 0) with probability "
+             f"{res['power']:g}:"]
+    for n in res["needs"]:
+        tokens = "never under this law (the noise does not fall)" if n["tokens_per_run"] is None else \
+            f"{n['tokens_per_run']:,} tokens per run" + (f" ({n['epochs']:.2f} epochs)" if n.get("epochs") else "")
+        lines.append(f"  {n['seeds']} seeds: sd <= {n['required_sd']:.4f} -> {tokens}; power at the pilot's last "
+                     f"point {n['power_at_pilot_end']:.2f}")
+    return "\n".join(lines)
 
 
 # ---- plot ------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import statistics
 from dataclasses import replace
@@ -96,9 +97,26 @@ def write_json(runs: list[dict], path: Path, title: str, extra: dict | None = No
     atomic_write(path, json.dumps(data, indent=2, default=str))
 
 
+def run_curves(run: dict, label: str) -> Curves:
+    """A run's curves: from its record's ``curve`` / ``train_curve`` when the entry has them (a reproduce
+    suite; the run directory may be on another machine), else from its run directory."""
+    if "curve" not in run:
+        return read_curves(run["run_dir"], label)
+    return record_curves(run, label)
+
+
+def record_curves(run: dict, label: str) -> Curves:
+    """The curves stored in a run's record entry (``curve``: evaluations, ``train_curve``: training loss)."""
+    curves = Curves(label, [(int(s), float(v)) for s, v in run.get("train_curve") or []])
+    for point in run.get("curve") or []:
+        for s, loss in point["loss"].items():
+            curves.val.setdefault(s, []).append((int(point["step"]), math.exp(float(loss))))
+    return curves
+
+
 def suite_curves(runs: list[dict]) -> list[Curves]:
     """One :class:`Curves` per model, averaged over its seeds."""
-    return [mean_curves(label, [read_curves(r["run_dir"], label) for r in runs if r["label"] == label])
+    return [mean_curves(label, [run_curves(r, label) for r in runs if r["label"] == label])
             for label in labels_in_order(runs)]
 
 
@@ -133,6 +151,27 @@ def run_dirs_of(path: Path) -> list[Path]:
     return sorted(p.parent for p in path.rglob("metrics.jsonl"))
 
 
+def _suite_runs(path: Path) -> list[tuple[str, Curves]]:
+    """(label, curves) of every run listed in a reproduce suite's ``results.json`` (runs kept in a run
+    store are not below the suite folder); [] for any other path."""
+    from mhmoe.runtime.bounded import BoundedLoadError, load_json
+
+    f = path / RESULTS_JSON
+    if (path / "metrics.jsonl").is_file() or not f.is_file():
+        return []
+    try:
+        data = load_json(f.read_text(encoding="utf-8"), str(f))
+    except (OSError, BoundedLoadError):
+        return []
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and "curve" in r for r in runs):
+        return []
+    try:
+        return [(str(r["label"]), record_curves(r, str(r["label"]))) for r in runs]
+    except (KeyError, TypeError, ValueError, AttributeError):  # not a results.json this version wrote
+        return []
+
+
 def collect_curves(paths: list[Path], labels: list[str] | None = None) -> list[Curves]:
     """Curves for ``mhmoe plot``: one per run directory, or one per model of a suite directory (seeds
     averaged, as in its curves.png); ``labels`` (one per path) rename them. ConfigError for a path with no
@@ -141,13 +180,11 @@ def collect_curves(paths: list[Path], labels: list[str] | None = None) -> list[C
 
     out: list[Curves] = []
     for i, path in enumerate(paths):
-        runs = run_dirs_of(path)
-        if not runs:
-            raise ConfigError("RUN", str(path), "a run directory (with metrics.jsonl) or a directory of runs")
         groups: dict[str, list[Curves]] = {}
-        for run in runs:
-            c = read_curves(run)
-            groups.setdefault(c.label, []).append(c)
+        for label, c in _suite_runs(path) or [(None, read_curves(run)) for run in run_dirs_of(path)]:
+            groups.setdefault(label or c.label, []).append(c)
+        if not groups:
+            raise ConfigError("RUN", str(path), "a run directory (with metrics.jsonl) or a directory of runs")
         named = [mean_curves(label, cs) for label, cs in groups.items()]
         if labels:
             named = [replace(c, label=labels[i] if len(named) == 1 else f"{labels[i]}/{c.label}") for c in named]

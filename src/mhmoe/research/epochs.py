@@ -1,0 +1,17 @@
+"""Epoch accounting: how many tokens a run's training corpus has, so that every result states the epochs
+it trained (tokens seen / training tokens) and a suite can refuse or warn before it trains too long."""
+
+from __future__ import annotations
+
+from mhmoe.config.run import RunConfig
+
+
+def train_tokens(run: RunConfig) -> int | None:
+    """The training split's token count under ``run``'s data config and tokenizer (the prepared, cached
+    token file: tokenized once, then read back); None for a masked multi-modal run, whose training data is
+    not one token stream."""
+    if run.data.task != "lm":
+        return None
+    from mhmoe.data import prepare_data
+
+    return int(len(prepare_data(run.data, seq_len=run.train.seq_len).train))

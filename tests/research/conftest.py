@@ -1,0 +1,16 @@
+"""Fixtures of the research tests: suites trained by fake trainers never tokenize a corpus to count its
+training tokens (a test that wants the real count marks itself ``real_train_tokens``)."""
+
+import pytest
+
+KJV_TRAIN_TOKENS = 875_290  # the KJV training split under the tiny presets' BPE (docs/DATA.md)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_train_tokens: count the training corpus's tokens for real")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_train_tokens(request, monkeypatch):
+    if request.node.get_closest_marker("real_train_tokens") is None:
+        monkeypatch.setattr("mhmoe.research.epochs.train_tokens", lambda run: KJV_TRAIN_TOKENS)
