@@ -43,13 +43,14 @@ def _dcp_checkpoint(root: Path) -> Path:
     """A small sharded checkpoint (a 2-layer MH-MoE LM) written by this checkout."""
     import torch
 
+    from mhmoe.checkpoint.write import save_checkpoint
     from mhmoe.config.model import ModelConfig
     from mhmoe.config.moe import MoEConfig
     from mhmoe.config.run import RunConfig
     from mhmoe.config.train import TrainConfig
     from mhmoe.data.tokenizer import ByteTokenizer
     from mhmoe.model.lm import LM
-    from mhmoe.train.checkpoint import safetensors_to_dcp, save_checkpoint
+    from mhmoe.train.convert import safetensors_to_dcp
 
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True)
     cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, d_ff=32, max_seq_len=32, moe=moe)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
@@ -13,7 +14,6 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.data import ByteTokenizer
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint import save_checkpoint
 
 TINY = dict(vocab_size=257, d_model=32, n_layers=2, n_heads=2, d_ff=48, moe_every=1, max_seq_len=64)
 MOE = {

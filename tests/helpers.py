@@ -83,7 +83,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     aside) and the newest checkpoint's weights."""
     import torch
 
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     ra, rb = records(a), records(b)
     assert [r["step"] for r in ra] == [r["step"] for r in rb]

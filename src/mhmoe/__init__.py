@@ -8,8 +8,9 @@
     print(lm.generate("In the beginning", max_new_tokens=20))
 
 Layers, bottom up (each imports only the ones below it; docs/ARCHITECTURE.md):
-``config`` (dataclasses, planner, presets) -> ``quant`` -> ``moe`` (layers, routers, dispatch) ->
-``model`` / ``data`` -> ``train`` -> ``parallel`` -> ``research`` / ``integrations`` -> ``cli``.
+``config`` (dataclasses, planner, presets) -> ``checkpoint`` (the files) -> ``quant`` -> ``moe`` (layers, routers,
+dispatch) -> ``model`` / ``data`` -> ``loading`` (``mhmoe.load``) -> ``train`` -> ``parallel`` -> ``research`` /
+``integrations`` -> ``cli``.
 
 The names below are loaded on first use, so ``import mhmoe.config`` (pure Python) does not import torch.
 """
@@ -30,7 +31,8 @@ _EXPORTS = {
                   "load_balancing_loss", "router_z_loss"),
     "mhmoe.model": ("LM", "Encoder", "EncoderOutput", "LMOutput", "build_model", "generate"),
     "mhmoe.data": ("Tokenizer", "load_tokenizer"),
-    "mhmoe.train.checkpoint": ("Pretrained", "load", "load_latest"),
+    "mhmoe.loading.pretrained": ("Pretrained", "load"),
+    "mhmoe.loading.checkpoint": ("load_latest",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -63,6 +65,8 @@ if TYPE_CHECKING:  # static analysers see the real names
     )
     from mhmoe.data import Tokenizer, load_tokenizer
     from mhmoe.errors import CheckpointError, ConfigError, DataError
+    from mhmoe.loading.checkpoint import load_latest
+    from mhmoe.loading.pretrained import Pretrained, load
     from mhmoe.model import LM, Encoder, EncoderOutput, LMOutput, build_model, generate
     from mhmoe.moe import (
         DenseFFN,
@@ -80,4 +84,3 @@ if TYPE_CHECKING:  # static analysers see the real names
         load_balancing_loss,
         router_z_loss,
     )
-    from mhmoe.train.checkpoint import Pretrained, load, load_latest

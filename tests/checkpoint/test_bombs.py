@@ -52,7 +52,7 @@ def _assert_refused(out, paths: list, whats: list[str]) -> None:
 
 
 BOMBS = {  # name: (file, what the refusal says)
-    "deep-key": (deep_tuple_key, "nesting deeper than 16 levels"),  # 3 MB: hashing the key recursed to SIGSEGV
+    "deep-key": (deep_tuple_key, "nested deeper than 64 levels"),  # 3 MB: hashing the key recursed to SIGSEGV
     "path": (repeated_path, "PurePosixPath with arguments beyond the limits"),  # 1 MB: one string 1000 times
     "shared-chunks": (lambda: shared_chunks_metadata(20_000, 20_000),  # 0.3 MB: 4e8 chunk checks
                       "more chunks and items than its 0 storage entries"),
@@ -151,7 +151,7 @@ def test_a_trainer_state_with_a_deep_key_is_refused_not_a_crash(tmp_path):
 
     meta["files"]["trainer_state.pt"] = {"sha256": hashlib.sha256(bomb).hexdigest(), "bytes": len(bomb)}
     (ck / "meta.json").write_text(json.dumps(meta))
-    code = ("from mhmoe.train.checkpoint import load_checkpoint\nfrom mhmoe.errors import CheckpointError\n"
+    code = ("from mhmoe.loading.checkpoint import load_checkpoint\nfrom mhmoe.errors import CheckpointError\n"
             f"try:\n    load_checkpoint({str(ck)!r})\nexcept CheckpointError as e:\n    print(e)\n")
     out = run_limited(code, memory=2 << 30, cpu_s=60)
     msg = out.stdout.strip()

@@ -30,6 +30,7 @@ from helpers import MHMOE, run_messages, tiny_run
 
 import mhmoe.cli
 from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.cli import main
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
@@ -37,7 +38,6 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.data import BatchSampler, ByteTokenizer
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint import save_checkpoint
 from mhmoe.train.parallelism import SingleProcess
 
 SRC = Path(mhmoe.__file__).resolve().parents[1]  # subprocesses run the sources this test imported

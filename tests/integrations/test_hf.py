@@ -191,7 +191,7 @@ def test_export_hf_cli_converts_a_checkpoint(tmp_path, capsys):
         rep["files"])
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    from mhmoe.train.checkpoint import load_checkpoint
+    from mhmoe.loading.checkpoint import load_checkpoint
 
     lm = load_checkpoint(ck).model.eval()
     x = torch.tensor([tok("In the beginning")["input_ids"]])
@@ -269,7 +269,7 @@ def test_exported_model_loads_with_trust_remote_code_where_mhmoe_is_not_installe
     import subprocess
     import sys
 
-    from mhmoe.train.checkpoint import load_checkpoint
+    from mhmoe.loading.checkpoint import load_checkpoint
 
     expected = {}
     for kind in ("mhmoe", "smoe", "dense", "bitnet"):

@@ -231,7 +231,8 @@ def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
 # ---- (c) DCP checkpoint saved by 2 ranks (EP) loads in 1 process, converts, and training continues ----------
 def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_path, monkeypatch):
     from mhmoe.checkpoint import list_checkpoints
-    from mhmoe.train.checkpoint import dcp_to_safetensors, load_latest, safetensors_to_dcp
+    from mhmoe.loading.checkpoint import load_latest
+    from mhmoe.train.convert import dcp_to_safetensors, safetensors_to_dcp
     from mhmoe.train.loop import train
 
     src = dist_runs / "ddp-ep2-accum"

@@ -365,7 +365,7 @@ def test_two_stage_schedule_resumes_bit_exactly(tmp_path):
     recs = [[json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, split)]
     assert [r["loss"] for r in recs[0]] == [r["loss"] for r in recs[1]]
     assert [r["lr"] for r in recs[0]] == [r["lr"] for r in recs[1]]
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     a, b = load_latest(full).model.state_dict(), load_latest(split).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

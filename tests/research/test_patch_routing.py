@@ -11,6 +11,7 @@ import pytest
 import torch
 from mm_helpers import XMOE_MH, mm_run
 
+from mhmoe.loading.checkpoint import load_latest
 from mhmoe.research.patch_routing import (
     ImageSequences,
     _subgrid,
@@ -20,7 +21,6 @@ from mhmoe.research.patch_routing import (
     spread,
     subtoken_experts,
 )
-from mhmoe.train.checkpoint import load_latest
 from mhmoe.train.loop import train
 from mhmoe.train.objectives import build_objective
 

@@ -19,7 +19,7 @@ from helpers import MHMOE, tiny_run
 from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
 from mhmoe.cli import main
 from mhmoe.errors import NO_SPACE_EXIT, ConfigError, UnsafePathError
-from mhmoe.train.checkpoint import load_latest
+from mhmoe.loading.checkpoint import load_latest
 from mhmoe.train.loop import train
 
 SECRET = "the user's own file\n"

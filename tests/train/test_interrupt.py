@@ -22,12 +22,13 @@ from helpers import MHMOE, assert_same_run, records, tiny_run
 
 from mhmoe.checkpoint import list_checkpoints
 from mhmoe.data import BatchSampler
+from mhmoe.loading.checkpoint import load_latest
 from mhmoe.model.lm import LM
 from mhmoe.runtime.signals import Interrupted, StopRequests
-from mhmoe.train.checkpoint import load_latest
 from mhmoe.train.loop import Trainer, train
 from mhmoe.train.metrics import MetricsWriter
 from mhmoe.train.parallelism import SingleProcess
+from mhmoe.train.resume import load_latest_for_resume
 
 # steps 3 and 6 log, evaluate and (step 3) checkpoint; the signal arrives during step 3 (index 2)
 CADENCE = dict(log_every=3, eval_every=3, ckpt_every=3)
@@ -106,7 +107,7 @@ def test_signal_anywhere_in_a_step_saves_that_step_and_resumes_exactly(full, tmp
     assert str(info.value) == f"interrupted ({sig}) at step 3: checkpoint saved (continue with --resume)"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
     assert [p.name for p in list_checkpoints(tmp_path / "int")] == ["step_00000003"]
-    ck = load_latest(tmp_path / "int", for_resume=True)
+    ck = load_latest_for_resume(tmp_path / "int")
     assert ck.trainer_state["step"] == 3 and ck.trainer_state["scheduler"]["last_epoch"] == 3
     assert [r["step"] for r in records(tmp_path / "int")] == [1, 3]  # step 1, then every log_every
     # the checkpoint holds exactly the weights the uninterrupted run had after step 3

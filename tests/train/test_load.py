@@ -9,7 +9,7 @@ from helpers import tiny_run
 import mhmoe
 from mhmoe.cli import main
 from mhmoe.errors import CheckpointError, ConfigError
-from mhmoe.train.checkpoint import Pretrained, load
+from mhmoe.loading.pretrained import Pretrained, load
 from mhmoe.train.loop import train
 
 

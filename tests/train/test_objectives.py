@@ -18,8 +18,8 @@ from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
+from mhmoe.loading.checkpoint import load_latest
 from mhmoe.model import Encoder
-from mhmoe.train.checkpoint import load_latest
 from mhmoe.train.loop import train
 from mhmoe.train.objectives import LMObjective, MaskedMultimodalObjective, build_objective, evaluate_checkpoint
 

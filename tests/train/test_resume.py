@@ -21,10 +21,11 @@ from helpers import MHMOE, assert_same_run, records, tiny_run
 
 from mhmoe.checkpoint import list_checkpoints
 from mhmoe.errors import CheckpointError
+from mhmoe.loading.checkpoint import load_latest
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import save_dcp_checkpoint
-from mhmoe.train.checkpoint import load_checkpoint, load_latest
 from mhmoe.train.loop import LAUNCH_FIELDS, train
+from mhmoe.train.resume import load_for_resume
 
 NO_MAX_STEPS = tuple(f for f in LAUNCH_FIELDS if f != "max_steps")  # what the CLI passes without --max-steps
 
@@ -82,7 +83,7 @@ def test_a_state_that_cannot_resume_falls_back_to_the_previous_checkpoint(full, 
     _edit_state(ck, edit)
     assert load_latest(stopped, warn=False).step == 4  # eval and generate do not need the trainer state
     with pytest.raises(CheckpointError, match="trainer_state.pt") as info:
-        load_checkpoint(ck, for_resume=True)
+        load_for_resume(ck)
     assert "\n" not in str(info.value)
     capsys.readouterr()
     train(tiny_run(full, MHMOE, ckpt_every=2, keep_last=3), stopped, resume=True, progress=False)

@@ -1,7 +1,7 @@
 """Reading a checkpoint directory: :func:`open_checkpoint` verifies it and reads its config (the one
 entry point of every loader of run and checkpoint directories), :func:`read_weights` and
 :func:`read_trainer_state` read its tensors. Nothing here builds a model: that is the model layer's
-(:meth:`mhmoe.model.LM.from_pretrained`) or the trainer's (:func:`mhmoe.train.checkpoint.load_checkpoint`).
+(:func:`mhmoe.model.pretrained.load_model`, behind ``LM.from_pretrained`` and ``mhmoe.load``).
 
 Nothing read runs code: weights are safetensors, the config is YAML read into validated dataclasses,
 ``trainer_state.pt`` is read with ``torch.load(weights_only=True)`` and DCP checkpoints through the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mhmoe.checkpoint.layout import FORMATS
 from mhmoe.errors import ConfigError
 from mhmoe.runtime.files import atomic_write, publish_dir, remove_tree, staging_dir
 
@@ -41,8 +42,9 @@ def _add_export(sub) -> None:
 def _run_export(args) -> int:
     import torch
 
+    from mhmoe.checkpoint.layout import CONFIG_FILE, TOKENIZER_DIR
     from mhmoe.integrations.bitnet_packed import export_bitnet, load_packed
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     if args.hf:
         from mhmoe.cli.integrations import run_export_hf
@@ -57,8 +59,8 @@ def _run_export(args) -> int:
         raise ConfigError("--checkpoint", args.checkpoint, "a decoder run (the packed export is for language models)")
     with staging_dir(out) as tmp:  # written completely, then renamed into place (mhmoe.runtime.files)
         report = export_bitnet(ck.model, tmp, args.float_dtype)
-        atomic_write(tmp / "config.yaml", ck.run.to_yaml(), durable=False)
-        ck.tokenizer.save(tmp / "tokenizer")
+        atomic_write(tmp / CONFIG_FILE, ck.run.to_yaml(), durable=False)
+        ck.tokenizer.save(tmp / TOKENIZER_DIR)
         # check: the packed model computes the fake-quantized model's logits
         packed = load_packed(report.path)
         model = ck.model.eval()
@@ -88,18 +90,18 @@ def _add_convert(sub) -> None:
                        "(docs/DISTRIBUTED.md), written as OUT/checkpoints/step_N of a new run directory.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory or checkpoint directory")
     p.add_argument("out", metavar="OUT", help="a new (or empty) run directory to write OUT/checkpoints/step_N into")
-    p.add_argument("--to", required=True, choices=["safetensors", "dcp"], help="target format")
+    p.add_argument("--to", required=True, choices=list(FORMATS), help="target format")
     p.set_defaults(func=_run_convert)
 
 
 def _run_convert(args) -> int:
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.checkpoint.layout import CKPT_DIR, LOCK_FILE, SAFETENSORS
+    from mhmoe.loading.checkpoint import load_latest
+    from mhmoe.train.convert import dcp_to_safetensors, safetensors_to_dcp
+    from mhmoe.train.lock import RunDirLock
 
-    if args.to not in ("safetensors", "dcp"):
-        raise ConfigError("--to", args.to, "safetensors | dcp")
-    from mhmoe.checkpoint import CKPT_DIR
-    from mhmoe.train.checkpoint import dcp_to_safetensors, safetensors_to_dcp
-    from mhmoe.train.lock import LOCK_FILE, RunDirLock
+    if args.to not in FORMATS:
+        raise ConfigError("--to", args.to, " | ".join(FORMATS))
 
     target = Path(args.out)
     refuse_non_empty(target)  # converting into a run would replace its checkpoints and prune older ones
@@ -108,7 +110,7 @@ def _run_convert(args) -> int:
         if any(p.name != LOCK_FILE for p in target.iterdir()):
             refuse_non_empty(target)
         try:
-            out = (dcp_to_safetensors if args.to == "safetensors" else safetensors_to_dcp)(src, target)
+            out = (dcp_to_safetensors if args.to == SAFETENSORS else safetensors_to_dcp)(src, target)
         except BaseException:
             remove_tree(target / CKPT_DIR)  # it was empty: leave nothing half-written
             raise

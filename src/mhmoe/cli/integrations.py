@@ -85,7 +85,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
     """``mhmoe export --hf CHECKPOINT OUT``."""
     _require("transformers")
     from mhmoe.integrations.hf.export import export_hf
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     ck = load_latest(args.checkpoint, "cpu")
     report = export_hf(ck, args.out)  # quiet: transformers' bars and logs are off inside (quiet_transformers)
@@ -174,7 +174,7 @@ def _limit(value: float | None) -> float | None:
 
 def run_eval_tasks(args: argparse.Namespace) -> int:
     """``mhmoe eval --checkpoint X --tasks T1,T2``: the harness on one checkpoint."""
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     tasks = parse_tasks(args.tasks)
     _check_harness_args(args)
@@ -227,7 +227,7 @@ def _label(ck: Any, given: str | None) -> str:
 
 
 def _run_downstream(args) -> int:
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     tasks = parse_tasks(args.tasks)
     _check_harness_args(args)

@@ -40,9 +40,9 @@ def _load_run(args: argparse.Namespace):
 
 
 def _launch_fields(args: argparse.Namespace) -> tuple[str, ...]:
-    """What ``--resume`` takes from this command (:data:`mhmoe.train.loop.LAUNCH_FIELDS`): ``max_steps`` only
+    """What ``--resume`` takes from this command (:data:`mhmoe.train.resume.LAUNCH_FIELDS`): ``max_steps`` only
     when given (``--max-steps`` or ``--set train.max_steps=``), so a resumed run keeps its LR schedule."""
-    from mhmoe.train.loop import LAUNCH_FIELDS
+    from mhmoe.train.resume import LAUNCH_FIELDS
 
     given = getattr(args, "max_steps", None) is not None or any(
         s.split("=", 1)[0].strip() == "train.max_steps" for s in (getattr(args, "set", None) or []))
@@ -214,8 +214,8 @@ def _run_eval(args) -> int:
         from mhmoe.cli.integrations import run_eval_tasks
 
         return run_eval_tasks(args)
+    from mhmoe.loading.checkpoint import load_latest
     from mhmoe.runtime.device import resolve_device
-    from mhmoe.train.checkpoint import load_latest
     from mhmoe.train.objectives import evaluate_checkpoint
 
     if args.batches is not None and args.batches < 1:
@@ -237,7 +237,7 @@ def _run_eval(args) -> int:
 
 # ---- generate --------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    from mhmoe.train.checkpoint import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+    from mhmoe.loading.pretrained import MAX_NEW_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 
     p = sub.add_parser("generate",
                        description="Continue --prompt with the model of a run, checkpoint, save_pretrained or "
@@ -255,7 +255,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from mhmoe.train.checkpoint import check_sampling, load
+    from mhmoe.loading.pretrained import check_sampling, load
 
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)

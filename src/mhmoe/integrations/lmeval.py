@@ -60,7 +60,7 @@ class MHMoEHarnessLM(TemplateLM):
         if (checkpoint is None) == (model is None):
             raise ValueError("mhmoe harness backend: give either checkpoint=DIR or model= and tokenizer=")
         if checkpoint is not None:
-            from mhmoe.train.checkpoint import load_latest
+            from mhmoe.loading.checkpoint import load_latest
 
             ck = load_latest(checkpoint, device)
             model, tokenizer = ck.model, ck.tokenizer

@@ -20,13 +20,14 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import ConfigError
+from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import load_dcp_into, open_latest_dcp, save_dcp_checkpoint
 from mhmoe.parallel.data_parallel import ParallelModel, parallelize
 from mhmoe.parallel.env import DistEnv, env_world_size, init_distributed, teardown
-from mhmoe.train.checkpoint import Checkpoint
-from mhmoe.train.loop import LAUNCH_FIELDS, TrainResult, train
+from mhmoe.train.loop import TrainResult, train
 from mhmoe.train.parallelism import SingleProcess
+from mhmoe.train.resume import LAUNCH_FIELDS
 
 
 def parallel_mode(cfg: TrainConfig) -> str:

@@ -222,7 +222,7 @@ def analyze_checkpoint(checkpoint: str, out_dir: str, data: str | None = None, b
     and its result returned under ``name``."""
     from mhmoe.config.data import DataConfig
     from mhmoe.data import iter_eval_batches, prepare_data
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
 
     ck = load_latest(checkpoint, device)
     cfg = ck.run.train

@@ -28,11 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mhmoe.checkpoint.format import list_checkpoints
+from mhmoe.checkpoint.layout import is_checkpoint_dir, step_of
 from mhmoe.data.multimodal import MODALITY_IMAGE, SPECIALS, MaskedMultimodalData
 from mhmoe.errors import ConfigError
+from mhmoe.loading.checkpoint import Checkpoint, load_checkpoint, load_latest
 from mhmoe.research.analysis import collect_routing, summarize, write_report
 from mhmoe.runtime.files import atomic_write
-from mhmoe.train.checkpoint import PREFIX, Checkpoint, list_checkpoints, load_checkpoint, load_latest
 from mhmoe.train.objectives import MaskedMultimodalObjective, build_objective
 
 MAX_STEPS_SHOWN = 3  # checkpoints (columns) in fig8.png: the oldest, the newest and one between
@@ -122,9 +124,9 @@ def _steps(checkpoint: str | Path, newest: Checkpoint) -> list[Path]:
     """The checkpoints whose maps fig8.png shows: MAX_STEPS_SHOWN of the run's, spread from its oldest
     kept checkpoint to the newest valid one; or only the checkpoint given."""
     p = Path(checkpoint)
-    if (p / "meta.json").is_file() or p.name.startswith(PREFIX):
+    if is_checkpoint_dir(p):
         return [newest.path]
-    paths = [c for c in list_checkpoints(p) if int(c.name[len(PREFIX):]) <= newest.step]
+    paths = [c for c in list_checkpoints(p) if (step_of(c.name) or 0) <= newest.step]
     return spread(paths, MAX_STEPS_SHOWN) or [newest.path]
 
 

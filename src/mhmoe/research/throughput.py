@@ -54,7 +54,7 @@ def _step_fn(run_dir: Path, device: Any) -> tuple[Callable[[], None], int, str]:
     """(one training step of the run's final model, tokens per step, dtype) on ``device``."""
     import dataclasses
 
-    from mhmoe.train.checkpoint import load_latest
+    from mhmoe.loading.checkpoint import load_latest
     from mhmoe.train.objectives import build_objective
 
     ck = load_latest(run_dir, device)

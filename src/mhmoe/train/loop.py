@@ -37,16 +37,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mhmoe.checkpoint import remove_stale_temporaries
+from mhmoe.checkpoint.format import list_checkpoints, remove_stale_temporaries
+from mhmoe.checkpoint.layout import RUN_LOGS
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError, TrainingStopped
+from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
-from mhmoe.train.checkpoint import Checkpoint, list_checkpoints
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.objectives import Objective, build_objective
@@ -54,13 +55,7 @@ from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
 from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
-
-#: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
-#: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
-LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
-LAUNCH_DATA_FIELDS = ("cache_dir",)  # where this machine caches tokens: never a checkpoint's choice
-#: the logs of a run: a new run refuses an --out that holds any of them (they would be replaced)
-RUN_LOGS = ("metrics.jsonl", "eval.jsonl", "results.json")
+from mhmoe.train.resume import LAUNCH_FIELDS, resumed_run
 
 
 @dataclass
@@ -149,15 +144,6 @@ def _owned(stats: list[RoutingStats]) -> list[RoutingStats]:
     """Copies of a forward's routing statistics: outputs of a CUDA-graph replay are overwritten by the next one."""
     return [RoutingStats(s.counts.clone(), s.tokens.clone(), s.dropped.clone(), {k: v.clone() for k, v in
                                                                                   s.losses.items()}) for s in stats]
-
-
-def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
-    """The checkpoint's run config, with the launch properties (``launch_fields`` of ``train``,
-    :data:`LAUNCH_DATA_FIELDS` of ``data``) of this command."""
-    d = ckpt.run.to_dict()
-    d["train"].update({k: getattr(launch.train, k) for k in launch_fields})
-    d["data"].update({k: getattr(launch.data, k) for k in LAUNCH_DATA_FIELDS})
-    return RunConfig.from_dict(d)
 
 
 class Trainer:

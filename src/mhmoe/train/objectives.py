@@ -235,7 +235,7 @@ def build_objective(run: RunConfig, *, tokenizer: Tokenizer | None = None, rank:
 
 def evaluate_checkpoint(ck: Any, max_batches: int | None, device: torch.device | str,
                         dtype: str | None = None, progress: bool = False) -> dict[str, dict[str, float]]:
-    """Validation results of a loaded :class:`~mhmoe.train.checkpoint.Checkpoint` on its own
+    """Validation results of a loaded :class:`~mhmoe.loading.checkpoint.Checkpoint` on its own
     objective's validation sets (the checkpoint's tokenizer), in ``dtype`` (default: the run's). Data caches go
     where this machine keeps them ($MHMOE_CACHE or ~/.cache/mhmoe), never where the checkpoint says.
     ``progress``: a bar over the evaluation batches (stderr)."""

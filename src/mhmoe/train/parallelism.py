@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.config.run import RunConfig
 from mhmoe.data.tokenizer_base import Tokenizer
+from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint import Checkpoint, load_latest, save_checkpoint
+from mhmoe.train.resume import load_latest_for_resume
 
 
 class SingleProcess:
@@ -78,7 +80,7 @@ class SingleProcess:
 
     def load_checkpoint(self, run_dir: Path) -> Checkpoint:
         """The newest valid checkpoint of ``run_dir`` to resume from."""
-        return load_latest(run_dir, for_resume=True)
+        return load_latest_for_resume(run_dir)
 
     def restore(self, ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load the optimizer state of ``ckpt`` (the model came with it); return its trainer state. The
