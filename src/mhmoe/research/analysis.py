@@ -259,16 +259,17 @@ SUITE_STATS = {  # name -> (how to read it from one checkpoint's summary, decima
 
 
 def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
-    """(label, run dir) of every finished run of a ``mhmoe reproduce`` folder, in its table's order."""
+    """(label, run dir) of every finished run of a ``mhmoe reproduce`` folder (in the run store or, in an
+    older folder, below it: :func:`mhmoe.research.store.suite_run_dirs`), in its table's order."""
     from mhmoe.research.reproduce import run_dir_name
+    from mhmoe.research.store import suite_run_dirs
 
     summary = suite_dir / "summary.json"
     labels = [r["label"] for r in load_json(summary.read_text(), str(summary))["rows"]] if summary.exists() else []
     by_dir = {run_dir_name(label): label for label in labels}
-    runs = [(by_dir.get(d.parent.name, d.parent.name), d) for d in suite_dir.glob("*/seed*")
-            if (d / "results.json").exists()]
+    runs = [(by_dir.get(label, label), seed, d) for label, seed, d in suite_run_dirs(suite_dir)]
     order = {label: i for i, label in enumerate(labels)}
-    return sorted(runs, key=lambda r: (order.get(r[0], len(order)), r[0], r[1].name))
+    return [(label, d) for label, _, d in sorted(runs, key=lambda r: (order.get(r[0], len(order)), r[0], r[1]))]
 
 
 def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.01, device: str = "cpu") -> dict:
@@ -285,7 +286,7 @@ def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.
         per_label.setdefault(label, []).append(analyze_checkpoint(str(run_dir), str(run_dir / "analysis"), None,
                                                                   batches, threshold, device))
     if not per_label:
-        raise ValueError(f"{root}: no finished MoE runs to analyse (expected {root}/<model>/seed<k>/results.json)")
+        raise ValueError(f"{root}: no finished MoE runs to analyse (its results.json lists none found here)")
     rows = []
     for label, summaries in per_label.items():
         first = summaries[0]

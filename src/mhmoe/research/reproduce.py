@@ -183,11 +183,17 @@ class _Runner:
         print(f"[{self.name}] {p.row.label} seed {p.seed}: {what}", file=sys.stderr, flush=True)
 
     def corpus_tokens(self, run: RunConfig) -> int | None:
+        """The training tokens of ``run``'s corpus, prepared (tokenized and cached) here the first time:
+        processes sharing the store take turns (``STORE/.data.lock``), so a second one finds the cache."""
+        from filelock import FileLock
+
         from mhmoe.research.epochs import train_tokens
 
         key = repr(run.data)
         if key not in self.train_tokens:
-            self.train_tokens[key] = train_tokens(run)
+            make_dirs(self.store.root)
+            with FileLock(str(self.store.root / ".data.lock")):
+                self.train_tokens[key] = train_tokens(run)
         return self.train_tokens[key]
 
     def check_epochs(self, plan: list[Planned], max_epochs: float | None) -> None:
