@@ -34,10 +34,13 @@ endif
 
 install: $(STAMP)
 
-## Optional Debian packages (pydocs/WordNet validation sets, man-page corpora, emoji images): the script says
-## what it installs and why, shows apt-get's progress, and only notes it where apt-get cannot run (not root).
-## `make test SYSTEM_DEPS=no` (or demo) skips it; SYSTEM_DEPS=check only lists what is missing.
+## Optional Debian packages (pydocs/WordNet validation sets, man-page corpora, emoji images, the debdocs
+## training corpus): the script says what it installs and why, shows apt-get's progress, and only notes it where
+## apt-get cannot run (not root). `make test SYSTEM_DEPS=no` (or demo) skips it; SYSTEM_DEPS=check only lists
+## what is missing. test, test-all, test-latest and demo use SYSTEM_DEPS=test: all but the debdocs corpus packages
+## (minutes to install; its tests use fixtures, and skip the real corpus without them).
 SYSTEM_DEPS ?= yes
+demo test test-all test-latest: SYSTEM_DEPS = test
 system-deps:
 	@SYSTEM_DEPS=$(SYSTEM_DEPS) bash scripts/install-system-deps.sh
 

@@ -39,17 +39,18 @@ def test_says_what_and_why_then_shows_apt_gets_output(tmp_path):
     res = _run(tmp_path, apt=f'echo "$@" >> {log}; echo "Setting up wordnet-base (fake) ..."')
     assert res.returncode == 0
     err = res.stderr
-    assert err.startswith("mhmoe: installing 29 Debian packages with apt-get for the pydocs validation set, WordNet "
-                          "validation set, man-page corpora, emoji image set (skip with SYSTEM_DEPS=no):")
+    assert err.startswith("mhmoe: installing 64 Debian packages with apt-get for the pydocs validation set, WordNet "
+                          "validation set, man-page corpora, emoji image set, debdocs training corpus (skip with "
+                          "SYSTEM_DEPS=no):")
     assert "python3.11-doc" in err and "fonts-noto-color-emoji" in err
     assert "Setting up wordnet-base (fake) ..." in res.stdout  # apt-get's output is shown, not discarded
-    assert "mhmoe: installed the 29 packages" in err
+    assert "mhmoe: installed the 64 packages" in err
     assert log.read_text().startswith("install -y -q --no-install-recommends python3.11-doc wordnet-base")
 
 
 @pytest.mark.parametrize("case, kwargs, needle", [
-    ("no apt-get", {}, "no apt-get on this system: 29 optional Debian packages not installed"),
-    ("not root", {"apt": "exit 99", "uid": 1000}, "not root: 29 optional Debian packages not installed (as root: "
+    ("no apt-get", {}, "no apt-get on this system: 64 optional Debian packages not installed"),
+    ("not root", {"apt": "exit 99", "uid": 1000}, "not root: 64 optional Debian packages not installed (as root: "
                                                    "apt-get install python3.11-doc"),
     ("apt fails", {"apt": "exit 100"}, "apt-get could not install the packages above"),
 ])
@@ -64,7 +65,21 @@ def test_where_apt_cannot_run_one_line_and_success(tmp_path, case, kwargs, needl
 def test_skip_and_check(tmp_path):
     assert _run(tmp_path, apt="exit 99", mode="no").stderr == ""
     res = _run(tmp_path, apt="exit 99", mode="check")
-    assert res.returncode == 0 and res.stderr.startswith("mhmoe: note: 29 optional Debian packages are missing")
+    assert res.returncode == 0 and res.stderr.startswith("mhmoe: note: 64 optional Debian packages are missing")
+
+
+def test_test_mode_leaves_out_the_corpus_packages(tmp_path):
+    log = tmp_path / "apt.log"
+    res = _run(tmp_path, apt=f'echo "$@" >> {log}', mode="test")
+    assert res.returncode == 0 and "installing 29 Debian packages" in res.stderr
+    assert "debdocs" not in res.stderr and "linux-doc-6.1" not in log.read_text()
+
+
+def test_corpus_packages_are_the_readers():
+    from mhmoe.data.debdocs import PACKAGES
+
+    listed = SCRIPT.read_text().split('CORPUS_PKGS="', 1)[1].split('"', 1)[0].split()
+    assert listed == list(PACKAGES)
 
 
 def test_nothing_to_do_when_everything_is_installed(tmp_path):
@@ -76,6 +91,7 @@ def test_nothing_to_do_when_everything_is_installed(tmp_path):
     info.mkdir(parents=True)
     script = SCRIPT.read_text()
     names = script.split('MAN_PKGS="', 1)[1].split('"', 1)[0].split() + ["fonts-noto-color-emoji"]
+    names += script.split('CORPUS_PKGS="', 1)[1].split('"', 1)[0].split()
     for name in names:
         (info / f"{name}.list").write_text("")
     res = _run(tmp_path, apt="exit 99")

@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("research", "training and validation curves of any runs in one PNG"),
     "downstream": ("integrations", "lm-eval tasks on several checkpoints: one table (rows = models)"),
     "make-tasks": ("integrations", "(re)build the offline lm-eval tasks from the KJV held-out split"),
+    "data": ("data", "data tools (bundle: a prepared corpus + tokenizer that travels without its packages)"),
 }
 
 

@@ -32,6 +32,8 @@ class DataConfig:
     val_tokens: int = 65536  # cap of tokens per validation set
     cache_dir: str = ""  # default: $MHMOE_CACHE or ~/.cache/mhmoe
     seed: int = 1234
+    # a data bundle directory (mhmoe data bundle): tokenizer + tokens, no corpus package needed; '' = none
+    bundle: str = ""
     # ---- masked multi-modal modelling (task=masked_mm; corpus is then the text-only stream) ------
     task: Task = "lm"  # lm | masked_mm
     image_set: ImageSet = "emoji"  # emoji | digits
@@ -58,6 +60,10 @@ class DataConfig:
             raise ConfigError("data.val_tokens", self.val_tokens, "integer >= 1")
         if not isinstance(self.cache_dir, str):
             raise ConfigError("data.cache_dir", self.cache_dir, "a directory path string ('' = default)")
+        if not isinstance(self.bundle, str) or "\0" in self.bundle or (self.bundle and not self.bundle.strip()):
+            raise ConfigError("data.bundle", self.bundle, "a bundle directory path ('' = none)")
+        if self.bundle and self.task != "lm":
+            raise ConfigError("data.bundle", self.bundle, "'' with data.task=masked_mm (bundles hold text tokens)")
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ConfigError("data.seed", self.seed, "integer in 0..2**63-1")
         self._check_masked_mm()

@@ -28,7 +28,7 @@ from mhmoe.data.multimodal import (
     prepare_multimodal,
     values_to_grid,
 )
-from mhmoe.data.prepare import PreparedData, prepare_data
+from mhmoe.data.prepare import PreparedData, epochs, prepare_data, train_tokens
 from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
 from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
 from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens, token_dtype
@@ -67,6 +67,7 @@ __all__ = [
     "chunk_text",
     "count_eval_batches",
     "default_cache_dir",
+    "epochs",
     "get_pretrained_tokenizer",
     "iter_eval_batches",
     "load_cl100k_base",
@@ -79,5 +80,6 @@ __all__ = [
     "registry_names",
     "source_hash",
     "token_dtype",
+    "train_tokens",
     "train_bpe",
 ]

