@@ -1,6 +1,7 @@
 """The Triton kernels' resources on an H100, checked without a GPU: every kernel x candidate config x dtype
-that the op launches is compiled for sm_90a with the launch's real argument specialisation, and must fit
-(shared memory <= 227 KiB, no register spills, pipelined cp.async loads, wgmma in bf16 and TF32).
+that the op launches (and the fused router's three kernels) is compiled for sm_90a with the launch's real
+argument specialisation, and must fit (shared memory <= 227 KiB, no register spills, pipelined cp.async
+loads, wgmma in bf16 and TF32).
 
 CI compiles a representative subset (``benchmarks/triton_moe.py --aot --quick``: the mh3 expert shape,
 SwiGLU, training and inference launches, both backward designs, every candidate config of every
@@ -101,6 +102,8 @@ def report(request, tmp_path_factory):
 
 def test_every_kernel_and_config_is_compiled(report):
     compiled = {(c["kernel"], c["dtype"], c["tile"]) for c in report["compiles"]}
+    routers = {(c["kernel"], c["dtype"]) for c in report["compiles"] if c["kernel"].startswith("router")}
+    assert routers == {(k, dt) for k in ("router_fwd", "router_bwd", "router_wgrad") for dt in ("bf16", "fp32")}
     for kernel in KERNELS:
         for dt, tiles in CONFIGS[kernel].items():
             for t in tiles:
@@ -116,6 +119,7 @@ def test_every_compile_fits_an_h100(report):
         if c["kernel"] == "ksum":
             continue
         assert c["pipelined"], name  # aligned widths: cp.async software pipelining
-        assert c["wgmma"] == (c["dtype"] == "bf16" or c["precision"] == "tf32"), name  # ieee fp32: FMA
+        # ieee fp32: FMA; the fused router ("split"): bf16 MMAs whatever its input
+        assert c["wgmma"] == (c["dtype"] == "bf16" or c["precision"] in ("tf32", "split")), name
         # the prediction that prunes configs on smaller GPUs never under-estimates, and is not far off
         assert c["smem"] <= c["smem_predicted"] <= 3 * c["smem"] + 16 * 1024, name

@@ -182,8 +182,8 @@ def compile_launch(launch, tile: Tile | None, arch: int = 90) -> KernelReport:
         f"{tile.bm}x{tile.bn}x{tile.bk} w{tile.warps} s{tile.stages}"
     return KernelReport(
         kernel=launch.kernel, dtype=launch.dtype, variant=_variant(launch.consts), tile=name,
-        smem=int(kern.metadata.shared), smem_predicted=0 if tile is None else smem_bytes(launch.kernel, tile, item,
-                                                                                          gated, d),
+        smem=int(kern.metadata.shared), smem_predicted=R.smem_bytes(launch.kernel, c, item, c["EP"]) if "EP" in c else
+        0 if tile is None else smem_bytes(launch.kernel, tile, item, gated, d),
         registers=regs, local_bytes=local, pipelined=bool(PIPELINED.search(ptx)), wgmma=bool(TENSOR_CORE.search(ptx)),
         precision="split" if launch.kernel.startswith("router") else str(launch.consts.get("PREC", "-")),
         seconds=seconds)

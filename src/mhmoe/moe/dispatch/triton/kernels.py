@@ -31,6 +31,28 @@ def _probe():
 INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
 
 
+def _interpreter_numpy_compat() -> None:
+    """Triton's interpreter before 3.7 turns a scalar kernel argument into a Python int with ``int()`` of a
+    one-element array, which numpy 2.4 and later refuse, so every ``range(0, D, BK)`` over a scalar argument
+    fails; make it squeeze the array first, as newer tritons do (the interpreter only: CPU tests)."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "mhmoe_compat", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.mhmoe_compat = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _interpreter_numpy_compat()
+
+
 def _mma_body(a, b, acc, PREC: tl.constexpr):
     """acc + a @ b, fp32 accumulation."""
     return tl.dot(a, b, acc, input_precision=PREC)
