@@ -70,6 +70,27 @@ def tiny_run(tmp_path: Path, moe: MoEConfig = MHMOE, **train_kw) -> RunConfig:
     )
 
 
+def rehash(ck: Path) -> None:
+    """Rewrite a checkpoint's meta.json to list every file in it with its size and sha256, as a tool (or an
+    attacker, who controls meta.json as well) that edited the files would."""
+    import hashlib
+
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["files"] = {str(p.relative_to(ck)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+                                              "bytes": p.stat().st_size}
+                     for p in sorted(q for q in ck.rglob("*") if q.is_file() and q.name != "meta.json")}
+    (ck / "meta.json").write_text(json.dumps(meta))
+
+
+def flip_bytes(path: Path, offset: int | None = None) -> None:
+    """Damage a file in place: two bytes in its middle (or at ``offset``) changed, its size kept."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    data[i + 1] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
 def records(run_dir: Path, file: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(ln) for ln in (Path(run_dir) / file).read_text().splitlines() if ln.strip()]
 

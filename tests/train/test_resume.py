@@ -10,14 +10,12 @@ traceback (no fallback), resuming without --max-steps silently retrains with the
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MHMOE, assert_same_run, records, tiny_run
+from helpers import MHMOE, assert_same_run, records, rehash, tiny_run
 
 from mhmoe.checkpoint import list_checkpoints
 from mhmoe.errors import CheckpointError
@@ -45,20 +43,11 @@ def stopped(full, tmp_path) -> Path:
     return tmp_path / "run"
 
 
-def _rehash(ck: Path) -> None:
-    """Rewrite meta.json's sizes and hashes, as a tool (or an attacker) that edited the files would."""
-    meta = json.loads((ck / "meta.json").read_text())
-    for name in meta["files"]:
-        data = (ck / name).read_bytes()
-        meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (ck / "meta.json").write_text(json.dumps(meta))
-
-
 def _edit_state(ck: Path, edit) -> None:
     state = torch.load(ck / "trainer_state.pt", weights_only=True)
     edit(state)
     torch.save(state, ck / "trainer_state.pt")
-    _rehash(ck)
+    rehash(ck)
 
 
 @pytest.mark.parametrize("damage", ["no-optimizer", "optimizer-no-state", "step-mismatch", "scheduler-step",
@@ -106,7 +95,7 @@ def test_broken_dcp_metadata_falls_back_to_the_older_checkpoint(full, tmp_path, 
                         no_dist=True)
     md = run / "checkpoints" / "step_00000007" / "dcp" / ".metadata"
     md.write_bytes(md.read_bytes()[: len(md.read_bytes()) // 2])  # truncated pickle
-    _rehash(md.parent.parent)
+    rehash(md.parent.parent)
     ck = load_latest(run)
     assert ck.step == 6
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Names and directories taken from a checkpoint never decide where mhmoe writes.
+"""Names and directories taken from a checkpoint never decide where mhmoe reads or writes.
 
 Each attack is first shown to be live against the stock code path it targets, then refused:
 
@@ -6,21 +6,25 @@ Each attack is first shown to be live against the stock code path it targets, th
   names): ``mhmoe eval`` wrote the validation token file outside the cache directory; now the
   checkpoint is refused in one line (exit status 2) and nothing is written outside;
 * the checkpoint's ``data.cache_dir`` decided where ``eval`` writes its caches; now eval uses this
-  machine's cache (``$MHMOE_CACHE`` or ``~/.cache/mhmoe``) whatever the checkpoint says.
+  machine's cache (``$MHMOE_CACHE`` or ``~/.cache/mhmoe``) whatever the checkpoint says;
+* file names in ``meta.json`` that leave the checkpoint (``../``, absolute, Windows paths, symlinks) and
+  unlisted symlinks out of it are refused before anything outside is read.
 
-(``../`` and absolute names in meta.json, symlinks out of the checkpoint and crafted pickles are
-covered by test_checkpoint_safety.py.)
+(Crafted pickles and DCP data-file names: test_crafted.py.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
-from helpers import write_corpus
+from helpers import rehash, write_corpus
 
+from mhmoe.checkpoint.format import verify_checkpoint
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.cli import main
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
@@ -30,10 +34,10 @@ from mhmoe.config.train import TrainConfig
 from mhmoe.data.bpe import train_bpe
 from mhmoe.data.documents import Document
 from mhmoe.data.token_cache import load_or_build_tokens
-from mhmoe.data.tokenizer import load_tokenizer
-from mhmoe.errors import DataError
+from mhmoe.data.tokenizer import ByteTokenizer, load_tokenizer
+from mhmoe.errors import CheckpointError, DataError
+from mhmoe.loading.checkpoint import load_checkpoint
 from mhmoe.model.lm import LM
-from mhmoe.train.checkpoint import save_checkpoint
 
 ESCAPE = "../../../../escaped"
 
@@ -58,10 +62,7 @@ def _rename_tokenizer(ck: Path, name: str) -> None:
     meta = json.loads(meta_file.read_text())
     meta["name"] = name
     meta_file.write_text(json.dumps(meta))
-    meta = json.loads((ck / "meta.json").read_text())
-    data = meta_file.read_bytes()
-    meta["files"]["tokenizer/tokenizer_meta.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (ck / "meta.json").write_text(json.dumps(meta))
+    rehash(ck)
 
 
 def _files(root: Path) -> set[str]:
@@ -102,8 +103,58 @@ def test_eval_writes_its_caches_where_this_machine_keeps_them(bpe_run, tmp_path,
 
 @pytest.mark.parametrize("bad", ["..", ".", "", "a/b", "a\\b", "x\x00y", ESCAPE, 5, None])
 def test_cache_path_components_are_plain_names(tmp_path, bad):
-    from mhmoe.data.tokenizer import ByteTokenizer
-
     with pytest.raises(DataError, match="not a plain file name"):
         load_or_build_tokens(tmp_path / "cache", bad, "val", [Document("d", "text")], ByteTokenizer())
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.fixture
+def ck(tmp_path) -> Path:
+    """A single-file checkpoint of a tiny model, free to tamper with."""
+    run = RunConfig(model=ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=32),
+                    train=TrainConfig(seq_len=16), data=DataConfig(tokenizer="byte", val_sets=()))
+    return save_checkpoint(tmp_path / "run", 1, LM(run.model), run, ByteTokenizer(), {"step": 1})
+
+
+# ---- meta.json file names and symlinks -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../outside.txt", "tokenizer/../../outside.txt", "ABSOLUTE", "/etc/passwd",
+                                  "link.txt", "C:\\outside.txt"])
+def test_meta_json_names_stay_inside_the_checkpoint(ck, tmp_path, name):
+    outside = ck.parent / "outside.txt"
+    outside.write_text("a file next to the checkpoint, not in it\n")
+    if name == "ABSOLUTE":
+        name = str(outside)
+    if name == "link.txt":
+        (ck / name).symlink_to(outside)
+    meta = json.loads((ck / "meta.json").read_text())
+    if Path(ck / name).is_file():  # live: the old verify_checkpoint read and hashed this file, and accepted it
+        data = (ck / name).read_bytes()
+        meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    else:
+        meta["files"][name] = {"sha256": "0" * 64, "bytes": 1}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="not a file inside the checkpoint|out of the checkpoint") as exc:
+        verify_checkpoint(ck)
+    msg = str(exc.value)
+    assert "\n" not in msg and "truncated" not in msg and "sha256" not in msg  # the outside file was not read
+    with pytest.raises(CheckpointError):
+        load_checkpoint(ck)
+
+
+def test_unlisted_symlink_out_of_the_checkpoint_is_refused(ck, tmp_path):
+    """config.yaml is read by name: a symlink out of the directory is refused even when meta.json omits it."""
+    outside = tmp_path / "config.yaml"
+    shutil.copy(ck / "config.yaml", outside)
+    (ck / "config.yaml").unlink()
+    (ck / "config.yaml").symlink_to(outside)
+    meta = json.loads((ck / "meta.json").read_text())
+    del meta["files"]["config.yaml"]
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="'config.yaml' is a symlink out of the checkpoint directory"):
+        load_checkpoint(ck)
+
+
+def test_symlink_inside_the_checkpoint_is_accepted(ck):
+    (ck / "config-link.yaml").symlink_to("config.yaml")
+    rehash(ck)
+    assert verify_checkpoint(ck)["files"]["config-link.yaml"]["bytes"] == (ck / "config.yaml").stat().st_size
