@@ -23,10 +23,9 @@ LAYERS = [
     ("train",), ("parallel",), ("research", "integrations"), ("cli",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
-# the public API, `python -m mhmoe` and the deprecated aliases of moved public modules may import anything
-TOP = {"mhmoe", "mhmoe.__main__", "mhmoe.hf", "mhmoe.lmeval"}
-OPTIONAL = {"mhmoe.integrations.hf": "transformers", "mhmoe.integrations.lmeval": "lm_eval", "mhmoe.hf": "transformers",
-            "mhmoe.lmeval": "lm_eval"}
+# the public API and `python -m mhmoe` may import anything
+TOP = {"mhmoe", "mhmoe.__main__"}
+OPTIONAL = {"mhmoe.integrations.hf": "transformers", "mhmoe.integrations.lmeval": "lm_eval"}
 
 
 def module_name(path: Path) -> str:

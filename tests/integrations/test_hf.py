@@ -335,13 +335,3 @@ def test_bundled_model_code_is_our_source_with_relative_imports():
     assert "mhmoe.moe.dispatch.triton.custom_ops' + ' is not part of the exported model code" in files[
         "mhmoe_moe_dispatch_triton_ops.py"]
     assert not any("launch" in name or "backward" in name for name in files)
-
-
-def test_old_module_path_is_a_deprecated_alias():
-    import importlib
-    import sys
-
-    sys.modules.pop("mhmoe.hf", None)
-    with pytest.warns(DeprecationWarning, match="mhmoe.integrations.hf"):
-        old = importlib.import_module("mhmoe.hf")
-    assert old.MHMoEForCausalLM is MHMoEForCausalLM and old.to_hf_tokenizer is to_hf_tokenizer

@@ -163,15 +163,3 @@ def test_format_downstream_table():
     rows = [{"model": "m", "params": 2e6, "tasks": {"t": {"acc": 0.25, "acc_stderr": 0.05, "bits_per_byte": 2.5}}}]
     assert format_downstream(rows, ["t"]).splitlines() == [
         "| model | params | t acc | t bits_per_byte |", "|---|---|---|---|", "| m | 2.00M | 25.0 ± 5.0 | 2.500 |"]
-
-
-def test_old_module_path_is_a_deprecated_alias():
-    import importlib
-    import sys
-
-    from mhmoe.integrations.lmeval import MHMoEHarnessLM
-
-    sys.modules.pop("mhmoe.lmeval", None)
-    with pytest.warns(DeprecationWarning, match="mhmoe.integrations.lmeval"):
-        old = importlib.import_module("mhmoe.lmeval")
-    assert old.MHMoEHarnessLM is MHMoEHarnessLM
