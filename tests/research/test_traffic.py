@@ -130,3 +130,17 @@ def test_traffic_model_json_keeps_layer_names(tmp_path):
     assert {r["config"] for r in data["kernels"]} == set(CONFIGS) == {r["config"] for r in data["layers"]}
     assert all("x" in r["tile"] or "tokens" in r["tile"] for r in data["kernels"])
     assert data["gemm"]["now"]["bound"] == "mma"
+
+
+def test_bench_rows_carry_the_predicted_parts(monkeypatch):
+    """On an H100 a bench row gets the Triton path's predicted ms, its parts (which add up to it) and the dense
+    prediction, with and without the L2 bound (no GPU needed: the device name is all the model reads)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    out = predictions(CONFIGS["mh3"], TOKENS, torch.bfloat16, "fwd_bwd", 2048, torch.device("cuda"))
+    assert out["pred_device"] == H100_SXM.name
+    for suffix in ("", "_no_l2"):
+        parts = out[f"pred_parts_triton{suffix}"]
+        assert set(parts) == {"experts_ms", "proj_ms", "router_ms", "losses_ms"}
+        assert sum(parts.values()) == pytest.approx(out[f"pred_ms_triton{suffix}"])
+        assert out[f"pred_ms_dense{suffix}"] > 0
+    assert out["pred_ms_triton_no_l2"] <= out["pred_ms_triton"]

@@ -335,7 +335,8 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
 def predictions(cfg: BenchConfig, tokens: int, dtype: torch.dtype, pass_: str, dense_hidden: int,
                 device: torch.device) -> dict[str, Any]:
     """The traffic model's predicted ms (:mod:`mhmoe.research.traffic`) of the Triton path and of the dense
-    reference, with the L2 bound and without it (``*_no_l2``), on a GPU the model knows; {} elsewhere."""
+    reference, with the L2 bound and without it (``*_no_l2``), and the Triton path's parts (experts, projections,
+    router, router losses: ``pred_parts_triton*``), on a GPU the model knows; {} elsewhere."""
     from mhmoe.research.traffic import dense_prediction, device_for, layer_prediction, without_l2
 
     dev = device_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -344,8 +345,9 @@ def predictions(cfg: BenchConfig, tokens: int, dtype: torch.dtype, pass_: str, d
     dt = "bf16" if dtype == torch.bfloat16 else ("tf32" if _tf32() else "fp32")
     out: dict[str, Any] = {"pred_device": dev.name}
     for suffix, d in (("", dev), ("_no_l2", without_l2(dev))):
-        out[f"pred_ms_triton{suffix}"] = layer_prediction(tokens, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k,
-                                                          cfg.heads, dt, pass_, d)["layer_ms"]
+        pred = layer_prediction(tokens, D_MODEL, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, dt, pass_, d)
+        out[f"pred_ms_triton{suffix}"] = pred["layer_ms"]
+        out[f"pred_parts_triton{suffix}"] = {k: v for k, v in pred.items() if k != "layer_ms"}  # experts, router, ...
         out[f"pred_ms_dense{suffix}"] = dense_prediction(tokens, D_MODEL, dense_hidden, dt, pass_, d)
     return out
 
