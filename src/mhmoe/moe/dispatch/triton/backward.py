@@ -28,12 +28,13 @@ def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Te
     """(dx [S, D], dweights [S, K], dW1 [E, D, F], dW2 [E, F, D], dW3 [E, D, F]), None where ``needs`` (x, weights,
     w1, w2, w3) is False. ``h1``, ``h3`` [SK, F]: the saved pre-activations by sorted row; ``plan``: the forward's
     :class:`~mhmoe.moe.dispatch.triton.launch.Plan`. Where :func:`~mhmoe.moe.dispatch.triton.tiles.fuse_dx` says
-    so (``fused``: override), the input gradient comes out of the act_bwd pass itself (act_dx: the hidden
-    gradients are never read back for dx)."""
+    so (``fused``: override) and the GPU's shared memory holds one of its configs, the input gradient comes out of
+    the act_bwd pass itself (act_dx: the hidden gradients are never read back for dx)."""
     k = kernels()
     need_x, need_w, need_w1, need_w2, need_w3 = needs
     dh1 = dh3 = dw = gx = gw1 = gw2 = gw3 = None
-    if need_x and fuse_dx(w1.shape[1], str(h1.dtype), fused):
+    D = w1.shape[1]
+    if need_x and fuse_dx(D, str(h1.dtype), fused) and k.fits_device("act_dx", k.dkey(h1.dtype), h3 is not None, D):
         gx, dh1, dh3, dw = k.act_dx_backward(dout, w1, w3, w2, weights, h1, h3, valid, plan,
                                              store_dh=need_w1 or need_w3, need_dw=need_w)
     else:

@@ -58,6 +58,14 @@ def _smem_limit() -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None)
 
 
+def fits_device(kernel: str, dtype: str, gated: bool = True, d: int = 256) -> bool:
+    """Whether at least one candidate config of ``kernel`` fits the current GPU's shared memory (True when
+    unknown: no CUDA, e.g. under the interpreter)."""
+    limit = _smem_limit()
+    item = 2 if dtype == "bf16" else 4
+    return limit is None or any(fits(kernel, t, item, limit, gated, d) for t in CONFIGS[kernel].get(dtype, ()))
+
+
 def _pruner(kernel: str, dtype: str) -> Callable[..., list[triton.Config]]:
     """Autotuner early prune: drop the configs whose predicted shared memory exceeds the device's limit
     (all of them fit an H100; smaller GPUs lose the largest tiles). Keeps at least the smallest."""
