@@ -116,3 +116,21 @@ def test_cli_device_and_minutes_reach_every_run(tmp_path, monkeypatch, capsys):
     rec = json.loads(next((tmp_path / "store" / "records").glob("*.json")).read_text())
     assert rec["config"]["train"]["device"] == "cpu" and rec["config"]["train"]["max_steps"] == calls[0]
     assert main(["reproduce", "v2-table1", "--out", str(tmp_path / "x"), "--minutes", "0"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.real_train_tokens
+def test_a_real_suite_ends_within_ten_percent_of_its_budget(tmp_path):
+    """Two tiny rows trained for real under --minutes 2: calibration, training, evaluations and
+    checkpoints together end within 10% of the budget (on a machine whose load stays the same)."""
+    import time
+
+    args = ["reproduce", "v2-table1", "--rows", "SMoE", "--rows", "MH-MoE (head=3)", "--seeds", "1", "--minutes", "2",
+            "--out", str(tmp_path / "suite"), "--no-progress", "--set", "train.threads=1", "--set",
+            "train.eval_batches=2", "--set", "train.batch_size=4"]
+    t0 = time.perf_counter()
+    assert main(args) == 0
+    wall = time.perf_counter() - t0
+    saved = json.loads((tmp_path / "suite" / "budget.json").read_text())
+    assert saved["predicted_minutes"] <= 2 * 0.95 + 0.01
+    assert 0.8 * 120 <= wall <= 1.1 * 120, wall

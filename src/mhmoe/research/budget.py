@@ -37,6 +37,7 @@ from mhmoe.runtime.files import atomic_write, make_dirs
 
 RESERVE = 0.05  # of the wall-clock budget, for the process start and the final report
 CALIBRATION_ROUNDS = 3  # timed steps per row (after WARMUP untimed ones)
+EVAL_SAMPLE_BATCHES = 2  # evaluation batches timed per validation set (the cost is linear in batches)
 WARMUP = 2  # untimed steps per row: allocations, optimizer state, CUDA kernels' first launch / autotuning
 
 
@@ -50,9 +51,10 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
               scratch: Path | None = None) -> dict[str, dict[str, float]]:
     """What each row's run costs on its device, dtype and threads: ``tokens_per_s`` (the median of
     ``rounds`` training steps timed round-robin after :data:`WARMUP` untimed rounds), ``eval_s`` (one
-    evaluation of ``train.eval_batches`` batches per validation set), ``checkpoint_s`` (one checkpoint
-    save, into a temporary directory under ``scratch``), ``setup_s`` (data and model, data cached) and
-    ``train_tokens`` (the training corpus's tokens; None for a masked multi-modal run)."""
+    evaluation of ``train.eval_batches`` batches per validation set, scaled from
+    :data:`EVAL_SAMPLE_BATCHES` timed ones), ``checkpoint_s`` (one checkpoint save, into a temporary
+    directory under ``scratch``), ``setup_s`` (data and model, data cached) and ``train_tokens`` (the
+    training corpus's tokens; None for a masked multi-modal run)."""
     import torch
 
     from mhmoe.checkpoint.write import save_checkpoint
@@ -62,21 +64,26 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
     from mhmoe.train.objectives import build_objective
 
     old_threads = torch.get_num_threads()
-    steps, tokens, out = {}, {}, {}
+    steps, tokens, out, prepared = {}, {}, {}, set()
     tmp = Path(tempfile.mkdtemp(prefix=".calibration-", dir=scratch))
     try:
         for label, run in runs.items():
             if run.train.threads:
                 torch.set_num_threads(run.train.threads)
             device = resolve_device(run.train.device)
-            build_objective(run)  # the first build prepares and caches the data; the second is what a run pays
+            if repr(run.data) not in prepared:  # the first build prepares and caches the data; a run pays the next
+                build_objective(run)
+                prepared.add(repr(run.data))
             torch.manual_seed(run.train.seed)
             (objective, model), setup_s = _timed(lambda run=run, device=device: (
                 build_objective(run), build_model(run.model).to(device)))
             steps[label] = training_step(run, model, objective, device)
             tokens[label] = run.train.batch_size * run.train.seq_len * run.train.grad_accum
-            _, eval_s = _timed(lambda run=run, model=model, objective=objective, device=device: objective.evaluate(
-                model, max_batches=run.train.eval_batches, device=device, dtype=run.train.dtype))
+            sample = min(EVAL_SAMPLE_BATCHES, run.train.eval_batches)
+            _, sample_s = _timed(lambda run=run, model=model, objective=objective, device=device, sample=sample:
+                                 objective.evaluate(model, max_batches=sample, device=device, dtype=run.train.dtype))
+            full, timed = objective.eval_size(run.train.eval_batches), objective.eval_size(sample)
+            eval_s = sample_s * full / max(1, timed)
             moments = {"exp_avg": [torch.zeros_like(p) for p in model.parameters()],
                        "exp_avg_sq": [torch.zeros_like(p) for p in model.parameters()]}  # AdamW's state, in size
             _, ckpt_s = _timed(lambda run=run, model=model, objective=objective, moments=moments: save_checkpoint(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mhmoe.checkpoint.layout import CONFIG_FILE, RESULTS_FILE
 from mhmoe.config.presets import SCALES
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
@@ -142,7 +143,8 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
         tokens = budget["tokens_per_run"]
     plan = [Planned(row, k, resolve(row.label, tokens, k)) for k in range(max(n_seeds.values()))  # seed-major
             for row in rows if k < n_seeds[row.label]]
-    runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing)
+    runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing,
+                     [p.run for p in plan])
     if train_missing:
         runner.check_epochs(plan, suite_settings(name).max_epochs)
     results = runner.run(plan)
@@ -155,7 +157,7 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
 def _check_same_run(run_dir: Path, run: RunConfig) -> None:
     """A run reused from an older suite folder must have been trained with the same config (bookkeeping
     fields aside)."""
-    saved = run_dir / "config.yaml"
+    saved = run_dir / CONFIG_FILE
     if not saved.exists():
         return
     diff = first_difference(identity(RunConfig.load(saved)), identity(run))
@@ -167,16 +169,23 @@ def _check_same_run(run_dir: Path, run: RunConfig) -> None:
 class _Runner:
     """Trains (or finds) the planned runs of one suite invocation."""
 
-    def __init__(self, name: str, out: Path, store: RunStore, progress: bool, train_missing: bool) -> None:
+    def __init__(self, name: str, out: Path, store: RunStore, progress: bool, train_missing: bool,
+                 runs: list[RunConfig]) -> None:
         self.name, self.out, self.store, self.progress, self.train_missing = name, out, store, progress, train_missing
+        self.runs = runs
         self.train_tokens: dict[str, int | None] = {}
         self._env: dict | None = None
 
     def environment(self) -> dict:
+        """This process's environment (:mod:`mhmoe.research.provenance`) for the planned runs' devices and
+        threads (``train.threads``; 0: torch's default, recorded beside it)."""
         from mhmoe.research.provenance import environment
+        from mhmoe.runtime.device import resolve_device
 
         if self._env is None:
-            self._env = environment()
+            devices = sorted({resolve_device(r.train.device).type for r in self.runs}) or ["cpu"]
+            threads = sorted({r.train.threads for r in self.runs})
+            self._env = environment(devices, threads[0] if len(threads) == 1 else None)
         return self._env
 
     def _say(self, p: Planned, what: str) -> None:
@@ -217,9 +226,9 @@ class _Runner:
     def find(self, p: Planned) -> dict | None:
         """The finished run of ``p`` as a results entry (an older folder's run, or a store record)."""
         legacy = _run_dir(self.out, p.row.label, p.seed)
-        if (legacy / "results.json").is_file():
+        if (legacy / RESULTS_FILE).is_file():
             _check_same_run(legacy, p.run)
-            results = load_json((legacy / "results.json").read_text(), str(legacy / "results.json"))
+            results = load_json((legacy / RESULTS_FILE).read_text(), str(legacy / RESULTS_FILE))
             return self.entry(p, make_record(p.run, legacy, results, None), legacy)
         rec = self.store.finished(p.run)
         return None if rec is None else self.entry(p, rec, self.store.run_dir(rec["key"]))
@@ -260,7 +269,7 @@ class _Runner:
             self._say(p, "not finished, left out")
             return None
         legacy = _run_dir(self.out, p.row.label, p.seed)
-        run_dir = legacy if (legacy / "config.yaml").is_file() else self.store.run_dir(run_key(p.run))
+        run_dir = legacy if (legacy / CONFIG_FILE).is_file() else self.store.run_dir(run_key(p.run))
         if run_dir == legacy:
             _check_same_run(legacy, p.run)
         resume = run_dir.is_dir()
