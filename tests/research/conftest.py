@@ -13,4 +13,4 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _fixed_train_tokens(request, monkeypatch):
     if request.node.get_closest_marker("real_train_tokens") is None:
-        monkeypatch.setattr("mhmoe.research.epochs.train_tokens", lambda run: KJV_TRAIN_TOKENS)
+        monkeypatch.setattr("mhmoe.research.epochs.train_tokens", lambda run, progress=False: KJV_TRAIN_TOKENS)

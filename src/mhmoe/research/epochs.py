@@ -6,12 +6,13 @@ from __future__ import annotations
 from mhmoe.config.run import RunConfig
 
 
-def train_tokens(run: RunConfig) -> int | None:
+def train_tokens(run: RunConfig, progress: bool = False) -> int | None:
     """The training split's token count under ``run``'s data config and tokenizer (the prepared, cached
-    token file: tokenized once, then read back); None for a masked multi-modal run, whose training data is
-    not one token stream."""
+    token file or the data bundle: tokenized once, then read back); None for a masked multi-modal run,
+    whose training data is not one token stream."""
     if run.data.task != "lm":
         return None
     from mhmoe.data import prepare_data
+    from mhmoe.data import train_tokens as count  # the data layer's count (with a bundle: the tokens it carries)
 
-    return int(len(prepare_data(run.data, seq_len=run.train.seq_len).train))
+    return count(prepare_data(run.data, seq_len=run.train.seq_len, progress=progress))

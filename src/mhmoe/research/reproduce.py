@@ -201,8 +201,10 @@ class _Runner:
         key = repr(run.data)
         if key not in self.train_tokens:
             make_dirs(self.store.root)
+            print(f"[{self.name}] data: {run.data.corpus} (prepared once and cached; a process sharing the store "
+                  "waits for it)", file=sys.stderr, flush=True)
             with FileLock(str(self.store.root / ".data.lock")):
-                self.train_tokens[key] = train_tokens(run)
+                self.train_tokens[key] = train_tokens(run, progress=self.progress)
         return self.train_tokens[key]
 
     def check_epochs(self, plan: list[Planned], max_epochs: float | None) -> None:
