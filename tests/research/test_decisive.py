@@ -109,11 +109,22 @@ def test_results_keep_curves_epochs_and_the_environment(tmp_path, monkeypatch):
     assert env["git"] is None or len(env["git"]["commit"]) == 40
     summary = json.loads((out / "summary.json").read_text())
     assert summary["environment"] == env and summary["primary"] == [["MH-MoE (head=3)", "SMoE"]]
+    assert summary["corpus"] == [{"name": "kjv", "train_tokens": 875_290}]
     main_pair = next(c for c in summary["comparisons"] if c["primary"])
     assert (main_pair["a"], main_pair["b"], main_pair["n"]) == ("MH-MoE (head=3)", "SMoE", 2)
     assert main_pair["mean_diff"] == pytest.approx(-0.01) and main_pair["p_min"] == 0.5
     md = (out / "results.md").read_text()
     assert "Primary comparison (kjv validation loss" in md and "Reported on:" in md and "| seeds |" in md
+
+
+def test_provenance_outside_a_checkout_and_the_command_line(tmp_path, monkeypatch):
+    from mhmoe.research import provenance
+
+    assert provenance.git_commit(tmp_path) is None  # not a checkout: no commit, no failure
+    monkeypatch.setattr("sys.argv", ["/x/bin/mhmoe", "reproduce", "decisive", "--rows", "MH-MoE (head=3)"])
+    env = provenance.environment(["cpu"], 1)
+    assert env["command"] == "mhmoe reproduce decisive --rows 'MH-MoE (head=3)'" and env["threads"] == 1
+    assert "thread(s) per run" in provenance.describe(env)
 
 
 def test_records_elsewhere_report_without_the_run_directories(tmp_path, monkeypatch):
@@ -167,20 +178,17 @@ def test_two_processes_on_one_folder_take_turns(tmp_path, monkeypatch):
 
 @pytest.mark.real_train_tokens
 def test_decisive_trains_for_real_on_a_small_corpus(tmp_path, capsys):
-    """Two tiny real runs: the loop's evaluations become the records' curves, the epochs are counted on the
+    """A tiny real run: the loop's evaluations become its record's curve, the epochs are counted on the
     real corpus."""
     out = tmp_path / "suite"
     small = ["train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "train.threads=1", "model.n_layers=2"]
-    args = ["reproduce", "decisive", "--data", "kjv", "--out", str(out), "--seeds", "2", "--tokens", "256",
+    args = ["reproduce", "decisive", "--data", "kjv", "--out", str(out), "--seeds", "1", "--tokens", "256",
             "--rows", "SMoE", "--no-progress"] + [a for s in small for a in ("--set", s)]
     assert main(args) == 0
-    data = json.loads((out / "results.json").read_text())
-    assert len(data["runs"]) == 2
-    for run in data["runs"]:
-        assert [p["step"] for p in run["curve"]] == [1, 2, 3, 4] and run["curve"][-1]["tokens"] == 256
-        assert run["curve"][-1]["loss"]["kjv"] == pytest.approx(run["eval"]["kjv"]["loss"])
-        assert 0 < run["epochs"] < 0.001 and run["train_tokens"] > 800_000
-    assert data["runs"][0]["curve"] != data["runs"][1]["curve"]  # two seeds, two runs
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert [p["step"] for p in run["curve"]] == [1, 2, 3, 4] and run["curve"][-1]["tokens"] == 256
+    assert run["curve"][-1]["loss"]["kjv"] == pytest.approx(run["eval"]["kjv"]["loss"])
+    assert 0 < run["epochs"] < 0.001 and run["train_tokens"] > 800_000
     with pytest.raises(ConfigError):
-        reproduce.run_suite("decisive", out, seeds=2, tokens=256, overrides=small + ["data.corpus=kjv"],
+        reproduce.run_suite("decisive", out, seeds=1, tokens=256, overrides=small + ["data.corpus=kjv"],
                             progress=False, only=["Dense"], train_missing=False)

@@ -34,6 +34,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,7 @@ def simulate_power(delta: float, sigma: float, n: int, sims: int = 20_000, alpha
     return float((np.abs(t) > t_critical(n, 1 - alpha)).mean())
 
 
+@lru_cache(maxsize=256)
 def required_sd(delta: float, n: int, power: float = TARGET_POWER, alpha: float = ALPHA) -> float:
     """The largest sd of a paired difference at which a gap ``delta`` is detected with ``power`` at ``n``
     seeds (bisection; power falls as sd grows)."""
@@ -238,12 +240,13 @@ def suite_power(suite_dir: Path, gap: float = PAPER_GAP, seeds: Iterable[int] = 
     """:func:`power_analysis` of a pilot suite folder's ``results.json`` (its per-seed evaluation curves):
     ``pair`` defaults to the suite's first primary comparison, ``val_set`` to the training corpus's own
     split. Writes ``power.json`` into the folder; ValueError when the folder cannot answer."""
+    from mhmoe.checkpoint.layout import RESULTS_FILE
     from mhmoe.research.suites import suite_settings
     from mhmoe.research.tables import primary_set
     from mhmoe.runtime.bounded import load_json
     from mhmoe.runtime.files import atomic_write
 
-    path = Path(suite_dir) / "results.json"
+    path = Path(suite_dir) / RESULTS_FILE
     if not path.is_file():
         raise ValueError(f"{suite_dir}: no results.json (run `mhmoe reproduce decisive-pilot --out {suite_dir}` first)")
     data = load_json(path.read_text(encoding="utf-8"), str(path))

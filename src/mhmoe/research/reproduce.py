@@ -239,7 +239,7 @@ class _Runner:
         return {"label": p.row.label, "seed": p.seed, "train_seed": p.run.train.seed, "run_dir": str(run_dir),
                 "key": rec["key"], **rec["results"], "curve": rec.get("curve") or [],
                 "train_curve": rec.get("train_curve") or [], "tokens_seen": rec.get("tokens_seen"),
-                "train_tokens": rec.get("train_tokens"), "epochs": rec.get("epochs"),
+                "corpus": p.run.data.corpus, "train_tokens": rec.get("train_tokens"), "epochs": rec.get("epochs"),
                 "environment": rec.get("environment")}
 
     def run(self, plan: list[Planned]) -> list[dict]:

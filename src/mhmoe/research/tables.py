@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mhmoe.research.provenance import describe
-from mhmoe.research.report import write_json
+from mhmoe.research.report import CURVES_PNG, RESULTS_JSON, write_json
 from mhmoe.research.stats import compare_paired, format_comparison, separation_counts
 from mhmoe.research.suites import Row, suite_settings
 from mhmoe.runtime.files import atomic_write
@@ -98,7 +98,9 @@ def summarize_results(name: str, rows: list[Row], results: list[dict], sets: lis
                       "tokens_per_s": round(statistics.mean(r["tokens_per_s"] for r in rs)),
                       "epochs": [r.get("epochs") for r in rs], "ppl": ppl, "paper": dict(row.paper)})
     comparisons = compare_rows(name, rows, results, sets)
+    corpora = {r.get("corpus"): r.get("train_tokens") for r in results if r.get("corpus")}
     return {"suite": name, "seeds": len({r["seed"] for r in results}), "validation_sets": sets,
+            "corpus": [{"name": c, "train_tokens": t} for c, t in corpora.items()],
             "primary_set": primary_set(results), "paper_columns": list(rows[0].paper), "rows": table,
             "notes": [r.note for r in rows if r.note], "primary": [list(p) for p in suite_settings(name).primary],
             "comparisons": comparisons, "separation": separation_counts(comparisons)}
@@ -163,9 +165,9 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path, bu
         summary["environment"] = environment
     lines += [""] + comparison_lines(summary)
     atomic_write(out / "results.md", "\n".join(lines).rstrip() + "\n")
-    write_json(results, out / "results.json", name, {"paper": {row.label: row.paper for row in rows},
+    write_json(results, out / RESULTS_JSON, name, {"paper": {row.label: row.paper for row in rows},
                                                       "environment": environment, "budget": budget})
-    plot_suite_curves(results, out / "curves.png", name)
+    plot_suite_curves(results, out / CURVES_PNG, name)
     atomic_write(out / "summary.json", json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     return summary
 
