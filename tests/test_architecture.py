@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "mhmoe"
+DOC = SRC.parent / "docs" / "ARCHITECTURE.md"
 LAYERS = [
     ("errors",), ("runtime",), ("config",), ("checkpoint",), ("quant",), ("moe",), ("model", "data"), ("loading",),
     ("train",), ("parallel",), ("research", "integrations"), ("cli",),
@@ -166,6 +168,67 @@ def test_cycle_finder_finds_a_lazy_relative_circle(tmp_path):
     planted = {**GRAPH, f"{pkg}.ops": imported_modules(ops, f"{pkg}.ops"),
                f"{pkg}.custom_ops": imported_modules(custom, f"{pkg}.custom_ops")}
     assert [f"{pkg}.custom_ops", f"{pkg}.ops"] in _cycles(planted)
+
+
+def _doc_rows() -> dict[str, str]:
+    """The rows of ARCHITECTURE.md's layout table by folder (``runtime``, ``errors``, ...)."""
+    rows = {}
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\| \d+ \| `([^`]+)` \|", line)
+        if m:
+            rows[m.group(1).rstrip("/").removesuffix(".py")] = line
+    return rows
+
+
+def test_the_architecture_doc_names_every_module():
+    """Each module is named in its layer's row of the layout table (``name.py`` or ``sub/name.py``; a
+    package by its folder), the top-level ones in the text; and every ``*.py`` a row names exists."""
+    doc, rows = DOC.read_text(encoding="utf-8"), _doc_rows()
+    missing, stale = [], []
+    for path in MODULES.values():
+        rel = path.relative_to(PKG)
+        if len(rel.parts) == 1:
+            if f"`{rel.name}`" not in doc and f"`mhmoe/{rel.name}`" not in doc:
+                missing.append(str(rel))
+        elif rel.name != "__init__.py":
+            named = re.findall(r"`([^`\s]+\.py)`", rows.get(rel.parts[0], ""))
+            if rel.name not in named and "/".join(rel.parts[1:]) not in named:
+                missing.append(str(rel))
+    for folder, row in rows.items():
+        for name in re.findall(r"`([^`\s]+\.py)`", row):
+            if folder != name.removesuffix(".py") and not [p for p in (PKG / folder).rglob(Path(name).name)
+                                                           if p.as_posix().endswith(name)]:
+                stale.append(f"{folder}/: {name}")
+    assert not missing, f"modules docs/ARCHITECTURE.md does not name (add them to their layer's row): {missing}"
+    assert not stale, f"docs/ARCHITECTURE.md names modules that do not exist: {stale}"
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Top-level functions, classes and assigned names of a module."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return out
+
+
+def test_nothing_outside_train_imports_train_to_get_a_model():
+    """Loading a trained model is the loading layer's: no module outside train/ takes one of its names
+    (or a resume's loader) from train/."""
+    loaders = set().union(*(_defined_names(p) for m, p in MODULES.items() if layer(m) == "loading"))
+    loaders |= {"load_for_resume", "load_latest_for_resume"}
+    bad = []
+    for mod, path in MODULES.items():
+        if layer(mod) == "train":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("mhmoe.train"):
+                got = sorted({a.name for a in node.names} & loaders)
+                if got:
+                    bad.append(f"{mod}: from {node.module} import {', '.join(got)}")
+    assert not bad, "models are loaded through mhmoe.loading, not the training layer:\n" + "\n".join(bad)
 
 
 def test_every_module_imports_in_a_fresh_interpreter():

@@ -222,7 +222,9 @@ def _add_downstream(sub) -> None:
 def _label(ck: Any, given: str | None) -> str:
     if given:
         return given
-    run_dir = ck.path.parent.parent if ck.path.parent.name == "checkpoints" else ck.path
+    from mhmoe.checkpoint.layout import run_directory
+
+    run_dir = run_directory(ck.path)
     return run_dir.name if not run_dir.name.startswith("seed") else run_dir.parent.name
 
 

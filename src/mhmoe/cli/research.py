@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+from mhmoe.checkpoint.layout import ANALYSIS_DIR, CONFIG_FILE, CURVES_FILE, run_directory
+
 
 def _add_reproduce(sub) -> None:
     from mhmoe.research.suites import SUITE_SCALES, SUITES
@@ -107,11 +109,9 @@ def _add_analyze(sub) -> None:
 
 def _is_encoder_run(checkpoint: str) -> bool:
     """A run or checkpoint directory whose config.yaml says model.arch=encoder (masked multi-modal)."""
-    from pathlib import Path
-
     from mhmoe.config.run import RunConfig
 
-    cfg = Path(checkpoint) / "config.yaml"
+    cfg = Path(checkpoint) / CONFIG_FILE
     return cfg.is_file() and RunConfig.load(cfg).model.arch == "encoder"
 
 
@@ -134,7 +134,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         return _run_power(args)
     if args.suite:
         return _run_analyze_suite(args)
-    out = args.out or str(run_directory(Path(args.checkpoint)) / "analysis")
+    out = args.out or str(run_directory(args.checkpoint) / ANALYSIS_DIR)
     device = str(resolve_device(args.device, "--device"))
     if _is_encoder_run(args.checkpoint):  # image patches of the validation images, and ICML Fig. 8
         from mhmoe.research.patch_routing import analyze_encoder_checkpoint
@@ -199,13 +199,6 @@ def _print_polysemy(p: dict) -> None:
         print(p["note"])
 
 
-def run_directory(path: Path) -> Path:
-    """The run directory of a checkpoint directory (``RUN/checkpoints/step_N`` -> ``RUN``), else ``path``."""
-    if path.parent.name == "checkpoints" and path.name.startswith("step_"):
-        return path.parent.parent
-    return path
-
-
 def _run_power(args: argparse.Namespace) -> int:
     from mhmoe.errors import ConfigError
     from mhmoe.research.power import PAPER_GAP, suite_power
@@ -265,7 +258,7 @@ def _run_plot(args: argparse.Namespace) -> int:
     if not args.out and len(args.runs) > 1:
         raise ConfigError("--out", None, "a PNG path (required with several RUNs)")
     curves = collect_curves([Path(r) for r in args.runs], args.labels)
-    out = Path(args.out or Path(args.runs[0]) / "curves.png")
+    out = Path(args.out or Path(args.runs[0]) / CURVES_FILE)
     plot_curves(curves, out, args.title)
     print(f"{out}: {len(curves)} curve{'s' if len(curves) != 1 else ''} ({', '.join(c.label for c in curves)})")
     return 0

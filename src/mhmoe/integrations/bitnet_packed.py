@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from mhmoe.checkpoint.layout import WEIGHTS_FILE
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
@@ -116,7 +117,7 @@ def fp32_size(model: LM) -> int:
     state = {k: v.detach().float().contiguous().cpu() if v.is_floating_point() else v.contiguous().cpu()
              for k, v in _float_state(model).items()}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.safetensors"
+        path = Path(tmp) / WEIGHTS_FILE
         save_file(state, str(path))
         return path.stat().st_size
 

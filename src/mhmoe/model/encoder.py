@@ -14,7 +14,8 @@ V joint vocabulary (text ids, visual codes, ``[PAD] [MASK] [CLS] [SEP]``:
 
 Everything but the attention mask and the input embeddings is the decoder's
 (:mod:`mhmoe.model.lm`): the same :class:`~mhmoe.model.lm.Block` (built with ``causal=False``: its
-attention masks padding keys only), RMSNorm, initialisation and aux-loss-free balancing step. BEiT-3
+attention masks padding keys only), block loop (:func:`~mhmoe.model.lm.run_blocks`), fp32 loss
+(:func:`~mhmoe.model.lm.token_loss`), RMSNorm, initialisation and aux-loss-free balancing step. BEiT-3
 differs in two places, both deliberate: one tied softmax over the joint vocabulary (BEiT-3 has a vision
 and a language head; a single head makes the masked perplexity of both modalities comparable across
 models with one number), and RoPE plus learned modality and patch row/column embeddings in place of
@@ -26,12 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables
+from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables, run_blocks, token_loss
 from mhmoe.moe.layers import FFNOutput, RoutingStats
 
 N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)
@@ -121,23 +121,12 @@ class Encoder(nn.Module):
             patch_pos = torch.full((B, T, 2), -1, dtype=torch.long, device=input_ids.device)
         x = self.embed_inputs(input_ids, modality, patch_pos)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        aux = torch.zeros((), dtype=torch.float32, device=input_ids.device)
-        routing: list[RoutingStats] = []
-        outputs: list[FFNOutput] = []
-        for block in self.blocks:
-            x, f = block(x, cos, sin, attention_mask, key_mask=attention_mask)
-            if block.is_moe:
-                aux = aux + f.aux_loss
-                if f.stats is not None:
-                    routing.append(f.stats)
-                if return_routing:
-                    outputs.append(f)
+        x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, attention_mask, key_mask=attention_mask,
+                                              return_routing=return_routing)
         logits = self.lm_head(self.norm(x))
         loss = None
         if targets is not None:
-            keep = loss_mask if loss_mask is not None else attention_mask
-            tgt = targets if keep is None else targets.masked_fill(~keep.bool(), -100)  # no host sync
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+            loss = token_loss(logits, targets, loss_mask if loss_mask is not None else attention_mask)
         return EncoderOutput(logits, loss, aux, routing, outputs if return_routing else None)
 
     @torch.no_grad()

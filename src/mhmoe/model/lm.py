@@ -168,6 +168,33 @@ class Block(nn.Module):
         return x + f.out, f
 
 
+def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
+               cache: KVCache | None = None, key_mask: Tensor | None = None, return_routing: bool = False,
+               ) -> tuple[Tensor, Tensor, list[RoutingStats], list[FFNOutput]]:
+    """``x`` [B, T, D] through every :class:`Block` (the decoder's and the encoder's loop): returns the
+    output [B, T, D], the summed weighted router losses of the MoE blocks (0-dim fp32), one RoutingStats
+    per MoE block and, with ``return_routing``, the MoE blocks' full FFNOutputs."""
+    aux = torch.zeros((), dtype=torch.float32, device=x.device)
+    routing: list[RoutingStats] = []
+    outputs: list[FFNOutput] = []
+    for i, block in enumerate(blocks):
+        x, f = block(x, cos, sin, mask, cache, i, key_mask)
+        if block.is_moe:
+            aux = aux + f.aux_loss
+            if f.stats is not None:
+                routing.append(f.stats)
+            if return_routing:
+                outputs.append(f)
+    return x, aux, routing, outputs
+
+
+def token_loss(logits: Tensor, targets: Tensor, keep: Tensor | None = None) -> Tensor:
+    """Mean cross-entropy, in fp32, of ``logits`` [B, T, V] against ``targets`` [B, T] over the positions
+    ``keep`` [B, T] marks (all when None); no host synchronisation."""
+    tgt = targets if keep is None else targets.masked_fill(~keep.bool(), -100)
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+
+
 class LM(nn.Module, PretrainedMixin):
     """The language model. forward(idx [B, T], targets [B, T] | None, mask [B, T] | None).
 
@@ -220,22 +247,9 @@ class LM(nn.Module, PretrainedMixin):
         # a row gather whose backward is index_add: nn.Embedding's CUDA backward reads a segment count on
         # the host (a device sync in every training step); on CPU both are the same computation
         x = self.embed.weight.index_select(0, idx.reshape(-1)).view(B, T, -1)
-        aux = torch.zeros((), dtype=torch.float32, device=idx.device)
-        routing: list[RoutingStats] = []
-        outputs: list[FFNOutput] = []
-        for i, block in enumerate(self.blocks):
-            x, f = block(x, cos, sin, mask, cache, i, key_mask)
-            if block.is_moe:
-                aux = aux + f.aux_loss
-                if f.stats is not None:
-                    routing.append(f.stats)
-                if return_routing:
-                    outputs.append(f)
+        x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, mask, cache, key_mask, return_routing)
         logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            tgt = targets if mask is None else targets.masked_fill(~mask.bool(), -100)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+        loss = None if targets is None else token_loss(logits, targets, mask)
         return LMOutput(logits, loss, aux, routing, outputs if return_routing else None)
 
     @torch.no_grad()

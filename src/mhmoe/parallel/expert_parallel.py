@@ -14,7 +14,7 @@ and MH-MoE head/merge projections are replicated, i.e. data parallel)::
     rows  [N, D_in] --all_to_all_single (autograd, uneven splits)--> [R, D_in]
     regroup by local expert (stable sort), GroupedExperts.forward_sorted / forward_grouped
     results --all_to_all_single (autograd)--> back to the senders, [N, D_in] in ``order``
-    combine: sum_k w[s, k] * y[s, k]         (dispatch._combine, as in the single-device path)
+    combine: sum_k w[s, k] * y[s, k]         (mhmoe.moe.dispatch.common.combine, as on one device)
 
 Router losses and RoutingStats (semantics): with a ``stats_group`` (all ranks of the mesh during
 training) the balance, z and entropy losses and the expert counts are those of the *global* batch

@@ -276,14 +276,15 @@ def analyze_suite(suite_dir: str | Path, batches: int = 8, threshold: float = 0.
     """Analyse every finished MoE run of a suite folder (each into ``RUN/analysis``) and write
     ``SUITE/analysis.json``: per model, the mean and std over seeds of every :data:`SUITE_STATS` entry,
     rounded as printed, beside its random-routing baseline."""
+    from mhmoe.checkpoint.layout import ANALYSIS_DIR, CONFIG_FILE
     from mhmoe.config.run import RunConfig
 
     root = Path(suite_dir)
     per_label: dict[str, list[dict]] = {}
     for label, run_dir in _suite_runs(root):
-        if RunConfig.load(run_dir / "config.yaml").model.moe.kind == "dense":
+        if RunConfig.load(run_dir / CONFIG_FILE).model.moe.kind == "dense":
             continue
-        per_label.setdefault(label, []).append(analyze_checkpoint(str(run_dir), str(run_dir / "analysis"), None,
+        per_label.setdefault(label, []).append(analyze_checkpoint(str(run_dir), str(run_dir / ANALYSIS_DIR), None,
                                                                   batches, threshold, device))
     if not per_label:
         raise ValueError(f"{root}: no finished MoE runs to analyse (its results.json lists none found here)")

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from mhmoe.checkpoint.layout import RESULTS_FILE
 from mhmoe.config.presets import get_preset
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
@@ -49,7 +50,7 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
     runs, t0 = [], time.perf_counter()
     for name, seed, run in plan:
         run_dir = out / name / f"seed{seed}"
-        done = run_dir / "results.json"
+        done = run_dir / RESULTS_FILE
         check_same_run(run_dir, run)
         if done.exists():
             print(f"[{name} seed {seed}] finished earlier: reusing {run_dir}", file=sys.stderr)

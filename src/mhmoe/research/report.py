@@ -22,10 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mhmoe.checkpoint.layout import CURVES_FILE, METRICS_FILE, RESULTS_FILE
 from mhmoe.runtime.files import atomic_write
 from mhmoe.train.plots import Curves, mean_curves, plot_curves, read_curves
 
-RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVES_PNG = "results.md", "results.csv", "results.json", "curves.png"
+# a suite's files: its results.json and curves.png are named as a run's
+RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVES_PNG = "results.md", "results.csv", RESULTS_FILE, CURVES_FILE
 
 
 def val_sets(runs: list[dict]) -> list[str]:
@@ -146,9 +148,9 @@ def write_suite_report(runs: list[dict], out: str | os.PathLike[str], title: str
 
 def run_dirs_of(path: Path) -> list[Path]:
     """A run directory itself, or the run directories below a suite directory (any depth, sorted)."""
-    if (path / "metrics.jsonl").is_file():
+    if (path / METRICS_FILE).is_file():
         return [path]
-    return sorted(p.parent for p in path.rglob("metrics.jsonl"))
+    return sorted(p.parent for p in path.rglob(METRICS_FILE))
 
 
 def _suite_runs(path: Path) -> list[tuple[str, Curves]]:
@@ -157,7 +159,7 @@ def _suite_runs(path: Path) -> list[tuple[str, Curves]]:
     from mhmoe.runtime.bounded import BoundedLoadError, load_json
 
     f = path / RESULTS_JSON
-    if (path / "metrics.jsonl").is_file() or not f.is_file():
+    if (path / METRICS_FILE).is_file() or not f.is_file():
         return []
     try:
         data = load_json(f.read_text(encoding="utf-8"), str(f))

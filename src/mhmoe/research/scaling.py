@@ -31,12 +31,13 @@ def family_of(label: str) -> str:
 
 def _row_config(suite_dir: Path, label: str) -> tuple[int, int]:
     """(experts, heads) of a row, from the config.yaml of its first finished seed."""
+    from mhmoe.checkpoint.layout import CONFIG_FILE
     from mhmoe.config.run import RunConfig
     from mhmoe.research.reproduce import run_dir_name
     from mhmoe.research.store import suite_run_dirs
 
-    cfgs = sorted((d / "config.yaml" for name, _, d in suite_run_dirs(suite_dir)
-                   if name in (label, run_dir_name(label)) and (d / "config.yaml").is_file()), key=str)
+    cfgs = sorted((d / CONFIG_FILE for name, _, d in suite_run_dirs(suite_dir)
+                   if name in (label, run_dir_name(label)) and (d / CONFIG_FILE).is_file()), key=str)
     if not cfgs:
         raise ValueError(f"{suite_dir}: no config.yaml for row {label!r} (no finished run of it found)")
     moe = RunConfig.load(cfgs[0]).model.moe

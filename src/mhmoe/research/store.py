@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mhmoe.checkpoint.layout import CONFIG_FILE, EVAL_FILE, METRICS_FILE, RESULTS_FILE
 from mhmoe.config.run import RunConfig
 from mhmoe.runtime.bounded import BoundedLoadError, load_json
 from mhmoe.runtime.files import atomic_write
@@ -73,7 +74,7 @@ def eval_curve(run_dir: Path, tokens_per_step: int) -> list[dict]:
     from mhmoe.train.plots import read_jsonl
 
     by_step: dict[int, dict] = {}
-    for rec in read_jsonl(run_dir / "eval.jsonl"):
+    for rec in read_jsonl(run_dir / EVAL_FILE):
         loss = {k[:-5]: float(v) for k, v in rec.items() if k.endswith("_loss") and isinstance(v, (int, float))}
         loss = loss or {k[:-4]: math.log(v) for k, v in rec.items()  # a log without losses: ln(perplexity)
                         if k.endswith("_ppl") and isinstance(v, (int, float)) and v > 0}
@@ -86,7 +87,7 @@ def train_curve(run_dir: Path, points: int = TRAIN_CURVE_POINTS) -> list[list[fl
     """``[[step, loss], ...]`` from ``metrics.jsonl``, thinned to at most ``points`` (the last one kept)."""
     from mhmoe.train.plots import read_jsonl
 
-    rows = [[int(r["step"]), float(r["loss"])] for r in read_jsonl(run_dir / "metrics.jsonl")
+    rows = [[int(r["step"]), float(r["loss"])] for r in read_jsonl(run_dir / METRICS_FILE)
             if isinstance(r.get("loss"), (int, float))]
     if len(rows) <= points:
         return rows
@@ -134,14 +135,14 @@ class RunStore:
         if rec is not None:
             return rec
         run_dir = self.run_dir(run_key(run))
-        if (run_dir / "results.json").is_file():
+        if (run_dir / RESULTS_FILE).is_file():
             return self.write_record(run, run_dir, environment=None)
         return None
 
     def write_record(self, run: RunConfig, run_dir: Path, environment: dict | None,
                      train_tokens: int | None = None) -> dict:
         """Write (atomically) and return the record of the finished run in ``run_dir``."""
-        results_path = run_dir / "results.json"
+        results_path = run_dir / RESULTS_FILE
         results = load_json(results_path.read_text(encoding="utf-8"), str(results_path))
         return self.save(make_record(run, run_dir, results, environment, train_tokens))
 
@@ -168,7 +169,7 @@ def suite_run_dirs(suite_dir: str | Path) -> list[tuple[str, int, Path]]:
     config hashes to that key (a results.json pointing elsewhere is not followed). A folder without a
     results.json that lists runs: its ``<label>/seed<k>/`` directories (labels as folder names)."""
     root = Path(suite_dir)
-    path = root / "results.json"
+    path = root / RESULTS_FILE
     runs: list = []
     if path.is_file():
         try:
@@ -186,12 +187,12 @@ def suite_run_dirs(suite_dir: str | Path) -> list[tuple[str, int, Path]]:
     if out or runs:
         return out
     return [(d.parent.name, int(d.name[4:]), d) for d in sorted(root.glob("*/seed*"))
-            if d.name[4:].isdigit() and (d / "results.json").is_file()]
+            if d.name[4:].isdigit() and (d / RESULTS_FILE).is_file()]
 
 
 def _is_inside(d: Path, root: Path) -> bool:
     try:
-        return d.resolve().is_relative_to(root.resolve()) and (d / "results.json").is_file()
+        return d.resolve().is_relative_to(root.resolve()) and (d / RESULTS_FILE).is_file()
     except OSError:
         return False
 
@@ -201,6 +202,6 @@ def _key_of(run_dir: Path) -> str | None:
     from mhmoe.errors import ConfigError
 
     try:
-        return run_key(RunConfig.load(run_dir / "config.yaml")) if (run_dir / "results.json").is_file() else None
+        return run_key(RunConfig.load(run_dir / CONFIG_FILE)) if (run_dir / RESULTS_FILE).is_file() else None
     except (OSError, ConfigError, BoundedLoadError, ValueError):
         return None
