@@ -21,6 +21,11 @@ from mhmoe.research.suites import suite_settings
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ("v2-table1", "v2-table2", "v2-table3", "v2-table4", "v2-table5", "icml-table1", "icml-table1-code",
           "icml-table6", "renorm-ablation")
+# docs/ICML-SETTINGS.md's blocks of ICML Table 1 (their files are named differently)
+SETTINGS_FILES = {"icml-table1-multilingual": "icml-settings-multilingual.json",
+                  "icml-table1-multimodal": "icml-settings-multimodal.json"}
+# the training corpus's own held-out split, where it is not the first validation set
+IN_DOMAIN = {"icml-table1-multilingual": "manpages"}
 
 
 def _r(x: float | None, digits: int = 6) -> float | None:
@@ -31,7 +36,8 @@ def _losses(row: dict, s: str) -> dict[int, float]:
     cell = row["ppl"].get(s)
     if not cell:
         return {}
-    return {seed: math.log(p) for seed, p in zip(row["train_seeds"], cell["per_seed"], strict=True)}
+    seeds = row.get("train_seeds") or range(len(cell["per_seed"]))  # seed k of every row pairs with seed k
+    return {seed: math.log(p) for seed, p in zip(seeds, cell["per_seed"], strict=True)}
 
 
 def suite_pairs(summary: dict) -> dict:
@@ -53,7 +59,7 @@ def suite_pairs(summary: dict) -> dict:
                               "p_sign_flip": _r(c["p_sign_flip"]), "p_min": _r(c["p_min"]),
                               "separated": c["separated"], "primary": (a["label"], b["label"]) in primary})
     sep = separation_counts(comps)
-    in_domain = sets[0]
+    in_domain = IN_DOMAIN.get(summary["suite"], sets[0])
     return {"validation_sets": sets, "in_domain": in_domain, "separation": sep,
             "separated_pairs": [c for c in comps if c["separated"]],
             "in_domain_separated": sum(c["separated"] for c in comps if c["set"] == in_domain),
@@ -62,14 +68,17 @@ def suite_pairs(summary: dict) -> dict:
 
 
 def table() -> dict:
-    out = {}
+    out, settings = {}, {}
     for name in SUITES:
         path = ROOT / "docs" / "results" / f"{name}-tiny.json"
         out[name] = {"source": str(path.relative_to(ROOT)), **suite_pairs(json.loads(path.read_text()))}
+    for name, file in SETTINGS_FILES.items():
+        path = ROOT / "docs" / "results" / file
+        settings[name] = {"source": str(path.relative_to(ROOT)), **suite_pairs(json.loads(path.read_text()))}
     total = sum(s["separation"]["compared"] for s in out.values())
     return {"rule": separation_counts([])["rule"], "suites": out,
             "all": {"compared": total, "separated": sum(s["separation"]["separated"] for s in out.values()),
-                    "expected_by_chance": round(0.05 * total, 2)}}
+                    "expected_by_chance": round(0.05 * total, 2)}, "icml_settings": settings}
 
 
 def main() -> None:

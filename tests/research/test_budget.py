@@ -102,6 +102,16 @@ def test_a_budget_below_one_step_per_run_is_refused_in_one_line(tmp_path, monkey
         reproduce.run_suite("v2-table1", tmp_path / "u", tokens=640, only=ROWS, progress=False, minutes=1)
 
 
+def test_a_budget_past_the_suites_epoch_limit_trains_one_epoch(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    monkeypatch.setattr(budget_mod, "calibrate", _fake_calibration(1e6))  # a fast machine: many epochs' worth
+    reproduce.run_suite("decisive", tmp_path / "s", seeds=1, overrides=SMALL + ["data.corpus=kjv"], progress=False,
+                        minutes=1)
+    assert calls == [875_290 // 64] * 3  # one epoch of the 875,290-token corpus, in steps of 64 tokens
+    assert "1 epoch(s) of the corpus is 875,290" in capsys.readouterr().err
+
+
 def test_cli_device_and_minutes_reach_every_run(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))

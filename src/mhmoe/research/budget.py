@@ -58,6 +58,7 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
     import torch
 
     from mhmoe.checkpoint.write import save_checkpoint
+    from mhmoe.data import train_tokens as count_tokens
     from mhmoe.model import build_model
     from mhmoe.research.throughput import round_robin, training_step
     from mhmoe.runtime.device import resolve_device
@@ -88,7 +89,7 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
                        "exp_avg_sq": [torch.zeros_like(p) for p in model.parameters()]}  # AdamW's state, in size
             _, ckpt_s = _timed(lambda run=run, model=model, objective=objective, moments=moments: save_checkpoint(
                 tmp / str(len(out)), 1, model, run, objective.tokenizer, {"optimizer": moments}, keep_last=1))
-            train_tokens = len(objective.data.train) if hasattr(objective, "data") else None
+            train_tokens = count_tokens(objective.data) if run.data.task == "lm" else None
             out[label] = {"setup_s": setup_s, "eval_s": eval_s, "checkpoint_s": ckpt_s, "train_tokens": train_tokens}
         median = round_robin(steps, rounds=rounds, warmup=WARMUP)
     finally:

@@ -140,7 +140,7 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
         from mhmoe.research.budget import suite_budget
 
         budget = suite_budget(out, name, runs0, n_seeds, minutes, lambda label, t: resolve(label, t))
-        tokens = budget["tokens_per_run"]
+        tokens = _capped(name, budget)
     plan = [Planned(row, k, resolve(row.label, tokens, k)) for k in range(max(n_seeds.values()))  # seed-major
             for row in rows if k < n_seeds[row.label]]
     runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing,
@@ -152,6 +152,17 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
     write_outputs(name, rows, results, out, budget, runner.environment())
     return results
+
+
+def _capped(name: str, budget: dict) -> int:
+    """The budget's tokens per run, at most the suite's epoch limit of its corpus (said in one line)."""
+    tokens, limit, corpus = budget["tokens_per_run"], suite_settings(name).max_epochs, budget.get("train_tokens")
+    if limit is None or not corpus or tokens <= limit * corpus:
+        return tokens
+    capped = int(limit * corpus)
+    print(f"[{name}] the budget allows {tokens:,} tokens per run; {limit:g} epoch(s) of the corpus is {capped:,}: "
+          "training that (the suite ends before its budget)", file=sys.stderr)
+    return capped
 
 
 def _check_same_run(run_dir: Path, run: RunConfig) -> None:
