@@ -116,8 +116,8 @@ def test_every_compile_fits_an_h100(report):
     for c in report["compiles"]:
         name = f"{c['kernel']} {c['dtype']} {c['precision']} [{c['variant']}] {c['tile']}"
         assert c["smem"] <= H100_SMEM and c["local_bytes"] == 0, name
-        if c["kernel"] == "ksum":
-            continue
+        if c["kernel"] == "ksum" or (c["kernel"] == "router_bwd" and "NEED_DX=0" in c["variant"]):
+            continue  # no loop, no MMA
         assert c["pipelined"], name  # aligned widths: cp.async software pipelining
         # ieee fp32: FMA; the fused router ("split"): bf16 MMAs whatever its input
         assert c["wgmma"] == (c["dtype"] == "bf16" or c["precision"] in ("tf32", "split")), name

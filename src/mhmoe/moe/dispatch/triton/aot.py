@@ -67,11 +67,12 @@ class KernelReport:
             out.append(f"{where}: {self.smem / 1024:.0f} KiB shared memory > {smem_limit / 1024:.0f} KiB")
         if self.local_bytes:
             out.append(f"{where}: {self.local_bytes} B of register spills (local memory)")
-        if not self.pipelined and self.kernel != "ksum":
+        no_loop = self.kernel == "ksum" or (self.kernel == "router_bwd" and "NEED_DX=0" in self.variant)
+        if not self.pipelined and not no_loop:
             out.append(f"{where}: loads not pipelined (no cp.async)")
-        if self.precision == "split" and not self.wgmma:  # the fused router: bf16 MMAs whatever the input
+        if self.precision == "split" and not self.wgmma and not no_loop:  # the fused router: bf16 MMAs
             out.append(f"{where}: no wgmma (tensor cores) in its split bf16 MMAs")
-        elif (self.dtype == "bf16" or self.precision == "tf32") and not self.wgmma and self.kernel != "ksum":
+        elif (self.dtype == "bf16" or self.precision == "tf32") and not self.wgmma and not no_loop:
             out.append(f"{where}: no wgmma (tensor cores) in {self.dtype}/{self.precision}")
         return out
 

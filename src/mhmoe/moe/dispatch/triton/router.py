@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mhmoe.moe.dispatch.triton import kernels as K_
 from mhmoe.moe.dispatch.triton import router_kernels as RK
-from mhmoe.moe.dispatch.triton.tiles import next_pow2
+from mhmoe.moe.dispatch.triton.tiles import next_pow2, padded
 
 MAX_EXPERTS = 256  # the scores of a block of tokens stay in registers: [BM, next_pow2(E)] fp32
 GATES = ("softmax", "sigmoid")
@@ -57,6 +57,20 @@ def _ep(n_experts: int) -> int:
     return max(16, next_pow2(n_experts))
 
 
+def _aligned(x: Tensor) -> Tensor:
+    """x [S, D] with D zero-padded to a multiple of 16 (a copy, only for such widths): aligned row strides,
+    pipelined loads. Zero columns meet zero columns of the padded weight parts: the scores are unchanged."""
+    pad = padded(x.shape[1]) - x.shape[1]
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def _weight_parts(w: Tensor) -> Tensor:
+    """:func:`split_weight` with D zero-padded like :func:`_aligned`."""
+    parts = split_weight(w)
+    pad = padded(w.shape[1]) - w.shape[1]
+    return torch.nn.functional.pad(parts, (0, pad)) if pad else parts
+
+
 JIT = {"router_fwd": RK._router_fwd_kernel, "router_bwd": RK._router_bwd_kernel,
        "router_wgrad": RK._router_wgrad_kernel}
 
@@ -69,7 +83,7 @@ def smem_bytes(name: str, c: dict, x_item: int, ep: int) -> int:
         return stages * (c["BM"] * c["BK"] * x_item + 3 * c["BK"] * ep * 2) + 8192
     if name == "router_bwd":  # three W parts [EP, BN] per stage; the split score gradient [BM, EP] x 3 once
         return stages * 3 * ep * c["BN"] * 2 + 3 * c["BM"] * ep * 2 + 16384
-    return stages * (ep * c["BK"] * 4 + c["BK"] * c["BN"] * x_item) + 3 * ep * c["BK"] * 2  # router_wgrad
+    return stages * (ep * c["BK"] * 4 + c["BK"] * c["BN"] * x_item) + 3 * ep * c["BK"] * 2  # router_wgrad: dl, x
 
 
 def _fit(name: str, c: dict, x_item: int, ep: int) -> dict:
@@ -96,6 +110,7 @@ def _launch(name: str, dtype: torch.dtype, grid: tuple, args: tuple, consts: dic
 def _forward(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_k: int, gate: str,
              renorm: bool) -> list[Tensor]:
     """[logits [S, E] fp32, probs [S, E] fp32, weights [S, K] fp32, experts [S, K] int64, counts [E] int64]."""
+    x = _aligned(x)
     S, D = x.shape
     E = w.shape[0]
     EP, dev = _ep(E), x.device
@@ -106,7 +121,7 @@ def _forward(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_
     G = triton.cdiv(S, FWD["BM"])
     part = torch.empty(G, EP, dtype=torch.int32, device=dev)
     mask = token_mask.reshape(-1).contiguous().view(torch.uint8)
-    wp = split_weight(w)
+    wp = _weight_parts(w)
     _launch("router_fwd", x.dtype, (G,),
             (x, x.stride(0), x.stride(1), wp, wp if bias is None else bias.float().contiguous(), mask, logits, probs,
              weights, experts, part, S, D, E),
@@ -120,12 +135,14 @@ def _backward(g_logits: Tensor | None, g_probs: Tensor | None, g_weights: Tensor
               logits: Tensor, experts: Tensor, token_mask: Tensor, gate: str, renorm: bool,
               need_x: bool, need_w: bool) -> tuple[Tensor | None, Tensor | None]:
     """(dx [S, D] in x's dtype, dW [E, D] in w's dtype), None where not needed."""
+    D0 = x.shape[1]
+    x = _aligned(x)
     S, D = x.shape
     E, K = w.shape[0], experts.shape[1]
     EP, dev = _ep(E), x.device
     dl = torch.empty(S, E, dtype=torch.float32, device=dev)
     dx = torch.empty(S, D, dtype=x.dtype, device=dev) if need_x else None
-    wp = split_weight(w)
+    wp = _weight_parts(w)
     f32 = lambda g: None if g is None else g.float().contiguous()  # noqa: E731
     gl, gp, gw = f32(g_logits), f32(g_probs), f32(g_weights)
     mask = token_mask.reshape(-1).contiguous().view(torch.uint8)
@@ -143,8 +160,8 @@ def _backward(g_logits: Tensor | None, g_probs: Tensor | None, g_weights: Tensor
         _launch("router_wgrad", x.dtype, (triton.cdiv(D, WGRAD["BN"]), chunks),
                 (dl, x, x.stride(0), x.stride(1), part, S, D, E, rows),
                 dict(EP=EP, X_SPLIT=x.dtype != torch.bfloat16, **WGRAD))
-        dw = part.sum(0).to(w.dtype)
-    return dx, dw
+        dw = part.sum(0)[:, :D0].to(w.dtype)
+    return (None if dx is None else dx[:, :D0]), dw
 
 
 @torch.library.custom_op("mhmoe::triton_router", mutates_args=())

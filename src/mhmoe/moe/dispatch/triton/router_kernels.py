@@ -238,8 +238,9 @@ def _router_wgrad_kernel(
     S, D, E, ROWS,
     BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, X_SPLIT: tl.constexpr,
 ):
-    """dW partial [EP, BN] = d logits^T x over the rows [chunk * ROWS, (chunk + 1) * ROWS) (ROWS a multiple of
-    BK), summed over the chunks in torch (fixed order: deterministic)."""
+    """dW partial = d logits^T x over the rows [chunk * ROWS, (chunk + 1) * ROWS) (ROWS a multiple of BK), computed
+    transposed as a [BN, EP] tile (x^T d logits: BN rows for the MMA whatever E) and summed over the chunks in
+    torch (fixed order: deterministic)."""
     pid_n = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = tl.arange(0, EP)
@@ -247,28 +248,16 @@ def _router_wgrad_kernel(
     dd = pid_n * BN + tl.arange(0, BN)
     dmask = dd < D
     ks = tl.arange(0, BK)
-    acc = tl.zeros((EP, BN), dtype=tl.float32)
+    acc = tl.zeros((BN, EP), dtype=tl.float32)
     r_end = tl.minimum((chunk + 1) * ROWS, S)
     for r0 in range(chunk * ROWS, r_end, BK):
         rr = r0 + ks
         rm = rr < r_end
-        dlt = tl.load(dl_ptr + rr.to(tl.int64)[None, :] * E + cols[:, None], mask=cmask[:, None] & rm[None, :],
-                      other=0.0)  # [EP, BK] = d logits^T
-        a_hi, a_mid, a_lo = _split3(dlt)
-        xt = tl.load(x_ptr + rr.to(tl.int64)[:, None] * sx_s + dd[None, :] * sx_d, mask=rm[:, None] & dmask[None, :],
-                     other=0.0)  # [BK, BN]
-        if X_SPLIT:
-            x_hi, x_mid, x_lo = _split3(xt.to(tl.float32))
-            acc = _mma(a_lo, x_hi, acc, "tf32")
-            acc = _mma(a_mid, x_mid, acc, "tf32")
-            acc = _mma(a_hi, x_lo, acc, "tf32")
-            acc = _mma(a_mid, x_hi, acc, "tf32")
-            acc = _mma(a_hi, x_mid, acc, "tf32")
-            acc = _mma(a_hi, x_hi, acc, "tf32")
-        else:
-            xb = xt.to(tl.bfloat16)
-            acc = _mma(a_lo, xb, acc, "tf32")
-            acc = _mma(a_mid, xb, acc, "tf32")
-            acc = _mma(a_hi, xb, acc, "tf32")
-    tl.store(part_ptr + chunk.to(tl.int64) * E * D + cols[:, None] * D + dd[None, :], acc,
-             mask=cmask[:, None] & dmask[None, :])
+        dl = tl.load(dl_ptr + rr.to(tl.int64)[:, None] * E + cols[None, :], mask=rm[:, None] & cmask[None, :],
+                     other=0.0)  # [BK, EP]
+        b_hi, b_mid, b_lo = _split3(dl)
+        xt = tl.load(x_ptr + rr.to(tl.int64)[None, :] * sx_s + dd[:, None] * sx_d, mask=dmask[:, None] & rm[None, :],
+                     other=0.0)  # [BN, BK] = x^T
+        acc = _split_mma(xt, b_hi, b_mid, b_lo, acc, X_SPLIT)
+    tl.store(part_ptr + chunk.to(tl.int64) * E * D + cols[None, :] * D + dd[:, None], acc,
+             mask=dmask[:, None] & cmask[None, :])
