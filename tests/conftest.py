@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -19,6 +20,17 @@ def _isolate(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this test (Python's default), whatever the suite inherited: a job
+    started with ``nohup ... &`` or ``setsid`` (or by a CI runner) starts with SIGINT ignored, and mhmoe
+    rightly leaves an ignored signal ignored. For the tests that send SIGINT to this process; a child
+    process that gets one starts with ``preexec_fn=helpers.sigint_default``."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ the oracle pair for layer tests and tiny training runs on a generated corpus."""
 import copy
 import json
 import random
+import signal
 from pathlib import Path
 
 from mhmoe.config.data import DataConfig
@@ -43,6 +44,13 @@ MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, m
 NOISY_MH = MoEConfig(n_experts=6, top_k=2, d_expert=16, heads=3, head_layer=True, merge_layer=True, router="noisy")
 WORDS = "in the beginning was the word and light dark water earth heaven man made said god day night".split()
 
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` of a child process that a test sends SIGINT: the signal's default disposition, so the
+    child's Python installs its KeyboardInterrupt handler, whatever this process inherited (a ``nohup ...
+    &`` or ``setsid`` job has SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def write_corpus(root: Path, n_docs: int = 12, n_words: int = 250) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MHMOE, run_messages, tiny_run
+from helpers import MHMOE, run_messages, sigint_default, tiny_run
 
 import mhmoe.cli
 from mhmoe.checkpoint import list_checkpoints
@@ -172,6 +172,7 @@ def test_interrupt_during_data_preparation_is_one_line(config, tmp_path, monkeyp
     assert not out.exists()  # nothing was written: the lock's directory is removed again
 
 
+@pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_training_saves_and_exits(config, tmp_path, monkeypatch, capsys, sig, code):
     original, calls = SingleProcess.optimizer_step, {"n": 0}
@@ -211,7 +212,7 @@ def test_ctrl_c_in_a_real_process_during_start_up(tmp_path, config):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "mhmoe", "train", "--config", str(config), "--out",
                              str(tmp_path / "o"), "--no-progress"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     _wait_until_importing_torch(proc)  # the interpreter is up (its SIGINT handler installed), not yet training
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

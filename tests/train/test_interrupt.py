@@ -30,6 +30,8 @@ from mhmoe.train.metrics import MetricsWriter
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.resume import load_latest_for_resume
 
+pytestmark = pytest.mark.usefixtures("sigint_raises")  # the tests send SIGINT to this process
+
 # steps 3 and 6 log, evaluate and (step 3) checkpoint; the signal arrives during step 3 (index 2)
 CADENCE = dict(log_every=3, eval_every=3, ckpt_every=3)
 SIGNAL_STEP = 2

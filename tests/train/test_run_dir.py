@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MHMOE, assert_same_run, records, run_messages, tiny_run
+from helpers import MHMOE, assert_same_run, records, run_messages, sigint_default, tiny_run
 
 import mhmoe
 from mhmoe.checkpoint import list_checkpoints
@@ -35,7 +35,7 @@ def _spawn(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "mhmoe", "train", "--config", str(config), "--out", str(out),
                              "--no-progress", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=sigint_default)  # it gets a Ctrl-C
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 180.0) -> None:
