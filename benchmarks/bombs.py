@@ -102,7 +102,48 @@ def build(root: Path) -> list[tuple[str, str, list[str]]]:
              lambda ck: (ck / "trainer_state.pt").write_bytes(bombs.torch_archive(bombs.deep_tuple_key(300_000))))
     dcp_case("json-deep-meta", "200 KB meta.json nested 100,000 deep", lambda ck: None)
     (root / "json-deep-meta" / "checkpoints" / base.name / "meta.json").write_text(bombs.deep_json())  # after _rehash
+    archive_cases(root, dcp_case, cases)
     return cases
+
+
+def archive_cases(root: Path, dcp_case, cases: list) -> None:
+    """Compression inside archives and data files, cost bombs of the pickle walk and the .metadata
+    reader, special files given as a config."""
+    from mhmoe.checkpoint.dcp_metadata import read_metadata
+
+    deflated = bombs.deflated_torch_archive(1 << 30)
+    dcp_case("torch-deflated", f"{len(deflated) / 1e6:.1f} MB trainer_state.pt: a 1 GiB tensor, deflated",
+             lambda ck: (ck / "trainer_state.pt").write_bytes(deflated))
+
+    def deflated_item(ck: Path) -> None:  # one tensor's item replaced by the deflated archive, appended
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        md = read_metadata(ck / "dcp" / ".metadata")
+        data = ck / "dcp" / "__0_0.distcp"
+        idx = next(k for k in md.storage_data if k.fqn.startswith("model."))
+        md.storage_data[idx] = _StorageInfo(data.name, data.stat().st_size, len(deflated))
+        with open(data, "ab") as f:
+            f.write(deflated)
+        (ck / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+
+    dcp_case("dcp-deflated-item", f"{len(deflated) / 1e6:.1f} MB DCP item: a 1 GiB tensor, deflated", deflated_item)
+    ops = bombs.pickle_of_ops(32 << 20)
+    dcp_case("torch-pickle-ops", "32 MB data.pkl (the limit) of one-byte opcodes in trainer_state.pt",
+             lambda ck: (ck / "trainer_state.pt").write_bytes(bombs.torch_archive(ops)))
+    for name, what, bomb in (
+            ("dcp-int-keys", "0.65 MB .metadata: 50,000 int keys k * (2**61 - 1), one hash",
+             lambda: bombs.colliding_int_keys(50_000)),
+            ("dcp-index-keys", "0.3 MB .metadata: 4,000 MetadataIndex keys with one hash",
+             lambda: bombs.colliding_index_keys(4000)),
+            ("dcp-empty-sets", "20 MB .metadata: 20,000,000 EMPTY_SET opcodes", lambda: bombs.empty_sets(20_000_000))):
+        dcp_case(name, what, lambda ck, bomb=bomb: (ck / "dcp" / ".metadata").write_bytes(bomb()))
+    gz = root / "data" / "bomb.txt.gz"
+    gz.parent.mkdir()
+    gz.write_bytes(bombs.gzip_bomb(1 << 30))
+    cases.append(("gz-data", f"{gz.stat().st_size / 1e6:.1f} MB --data .txt.gz: 1 GiB of text",
+                  ["train", "--preset", "tiny-mh3", "--data", str(gz), "--out", str(root / "o3"), "--no-progress"]))
+    cases.append(("config-dev-zero", "--config /dev/zero",
+                  ["train", "--config", "/dev/zero", "--out", str(root / "o4")]))
 
 
 def measure(args_: list[str], src: Path, memory: int, cpu_s: int) -> dict:
@@ -121,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-s", type=int, default=120)
     ap.add_argument("--only", nargs="*", default=None, help="bomb names to run (default: all)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", action="store_true", help="keep the rows of --json that were not run now (each row "
+                    "records its own commits, machine and date)")
     args = ap.parse_args(argv)
     memory = int(args.memory_gib * 2**30)
     root = Path(tempfile.mkdtemp(prefix="mhmoe-bombs-"))
@@ -148,8 +191,23 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
     }
     if args.json:
+        if args.merge and Path(args.json).is_file():
+            result = merged(json.loads(Path(args.json).read_text(encoding="utf-8")), result)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``old``'s rows with those of ``new`` replaced or added; every row keeps its own before/after commits,
+    machine, limits and date (``new``'s top-level ones describe the last run)."""
+    keys = ("before_commit", "after_commit", "machine", "date", "memory_limit_gib", "cpu_limit_s", "baseline_rss_mb")
+
+    def own(row: dict, top: dict) -> dict:
+        return {**{k: top[k] for k in keys if k in top}, **row}
+
+    rows = {r["bomb"]: own(r, old) for r in old["rows"]}
+    rows.update({r["bomb"]: own(r, new) for r in new["rows"]})
+    return {**new, "rows": list(rows.values())}
 
 
 def _commit(src: Path) -> str:

@@ -118,6 +118,88 @@ def aliased_chunks_metadata(md, copies: int):
     return md
 
 
+# ---- compression inside archives and data files ----------------------------------------------------------------
+def deflated_torch_archive(tensor_bytes: int = 64 << 20) -> bytes:
+    """A ``torch.save`` archive of one uint8 tensor of ``tensor_bytes`` zeros whose records are deflated
+    (torch.load accepts them): a few hundred KB that load as ``tensor_bytes`` of memory."""
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"step": 1, "t": torch.zeros(4, dtype=torch.uint8)}, buf)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename.endswith("/data.pkl"):  # the storage of 4 elements -> tensor_bytes elements
+                data = data.replace(b"K\x04", b"J" + struct.pack("<i", tensor_bytes))
+            deflate = item.filename.endswith("/data/0")
+            if deflate:
+                data = bytes(tensor_bytes)
+            z.writestr(zipfile.ZipInfo(item.filename), data,
+                       compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+    return out.getvalue()
+
+
+def gzip_bomb(decompressed: int = 64 << 20) -> bytes:
+    """A gzip file of ``decompressed`` bytes of text ('a' repeated): about 1000x smaller."""
+    import gzip
+
+    return gzip.compress(b"a" * decompressed, compresslevel=9, mtime=0)
+
+
+# ---- cost bombs for pickles: containers, memo entries, colliding keys --------------------------------------------
+M61 = 2**61 - 1  # CPython hashes an int modulo this prime: k * M61 all hash to 0
+
+
+def empty_sets(count: int = 2_000_000) -> bytes:
+    """``count`` EMPTY_SET opcodes: one byte each, 216 bytes of Python set each (a 2 MB file: 460 MB)."""
+    return pickle.PROTO + b"\x04" + pickle.EMPTY_SET * count + pickle.STOP
+
+
+def _long1(v: int) -> bytes:
+    b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return pickle.LONG1 + bytes([len(b)]) + b
+
+
+def colliding_int_keys(count: int = 50_000) -> bytes:
+    """A dict of ``count`` int keys ``k * (2**61 - 1)``, which all share one hash: inserting them costs
+    count**2 / 2 comparisons (50,000 keys, 0.65 MB: ~30 s)."""
+    body = b"".join(_long1(k * M61) + pickle.NONE for k in range(1, count + 1))
+    return pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.MARK + body + pickle.SETITEMS + pickle.STOP
+
+
+def dict_pickle(pairs) -> bytes:
+    """A protocol-4 pickle of a dict filled with ``pairs`` (key, value), written without building the dict."""
+    buf = io.BytesIO()
+    p = pickle._Pickler(buf, protocol=4)  # the pure-Python pickler: its batching of items is reusable
+    p.framer.start_framing()
+    p.write(pickle.PROTO + b"\x04" + pickle.EMPTY_DICT)
+    p._batch_setitems(iter(pairs))
+    p.write(pickle.STOP)
+    p.framer.end_framing()
+    return buf.getvalue()
+
+
+def colliding_index_keys(count: int = 4000, dims: int = 8) -> bytes:
+    """A dict of ``count`` DCP ``MetadataIndex`` keys (the keys of ``storage_data``) with one hash: their
+    offsets are torch.Sizes of multiples of 2**61 - 1, which hash alike (4**dims of them)."""
+    import itertools
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    offsets = itertools.islice(itertools.product(range(4), repeat=dims), count)
+    return dict_pickle((MetadataIndex("w", torch.Size([k * M61 for k in ks])), None) for ks in offsets)
+
+
+def pickle_of_ops(count: int) -> bytes:
+    """A pickle of ``count`` one-byte opcodes that builds little (NONE then POP, repeated): what the
+    pickle walk costs per opcode."""
+    return pickle.PROTO + b"\x04" + (pickle.NONE + pickle.POP) * (count // 2) + pickle.NONE + pickle.STOP
+
+
 # ---- running a reader on a bomb -----------------------------------------------------------------------------
 @dataclass
 class Outcome:

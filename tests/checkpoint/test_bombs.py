@@ -18,7 +18,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from bombs import (
     aliased_chunks_metadata,
+    colliding_index_keys,
+    colliding_int_keys,
     deep_tuple_key,
+    deflated_torch_archive,
+    empty_sets,
+    pickle_of_ops,
     repeated_path,
     run_limited,
     shared_chunks_metadata,
@@ -52,11 +57,80 @@ def _assert_refused(out, paths: list, whats: list[str]) -> None:
 
 
 BOMBS = {  # name: (file, what the refusal says)
-    "deep-key": (deep_tuple_key, "nesting deeper than 16 levels"),  # 3 MB: hashing the key recursed to SIGSEGV
+    "deep-key": (deep_tuple_key, "nested deeper than 64 levels"),  # 3 MB: hashing the key recursed to SIGSEGV
     "path": (repeated_path, "PurePosixPath with arguments beyond the limits"),  # 1 MB: one string 1000 times
     "shared-chunks": (lambda: shared_chunks_metadata(20_000, 20_000),  # 0.3 MB: 4e8 chunk checks
                       "more chunks and items than its 0 storage entries"),
 }
+
+
+COST_BOMBS = {  # name: (file, what the refusal says); unbounded cost measured on this machine (docs/SAFETY.md)
+    "int-keys": (lambda: colliding_int_keys(50_000), "a dict key of type int"),  # 0.65 MB: 30 s
+    "index-keys": (lambda: colliding_index_keys(4000), "dict keys with one hash"),  # 0.3 MB: 11 s
+    "empty-sets": (lambda: empty_sets(20_000_000), "bytes of objects from 20,000,003 bytes"),  # 20 MB: 4.8 GB
+    "marks": (lambda: pickle.PROTO + b"\x04" + pickle.MARK * 5_000_000 + pickle.STOP, "bytes of objects"),
+    "memo": (lambda: pickle.PROTO + b"\x04" + pickle.NONE + pickle.MEMOIZE * 5_000_000 + pickle.STOP,
+             "bytes of objects"),
+}
+
+
+def test_metadata_cost_bombs_are_refused_within_memory_and_time(tmp_path):
+    """Colliding keys (CPython hashes ints modulo 2**61 - 1; a MetadataIndex hashes its offsets) and
+    stacks of empty containers, marks or memo entries: refused before the work grows beyond linear."""
+    paths = []
+    for name, (bomb, _) in COST_BOMBS.items():
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / METADATA_FILE)
+        paths[-1].write_bytes(bomb())
+    out = _read_in_child(paths)
+    _assert_refused(out, paths, [what for _, what in COST_BOMBS.values()])
+    assert out.seconds < 30, out.seconds
+
+
+def test_compressed_records_are_refused_before_loading(tmp_path):
+    """A deflated record inflates 1000x (torch.load accepts it): a 66 KB trainer_state.pt loaded as 64 MB,
+    a 4 MB one as 4 GiB; the same in a DCP item file. torch.save never compresses: refused, one line."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    state = tmp_path / "trainer_state.pt"
+    state.write_bytes(deflated_torch_archive(64 << 20))
+    item = deflated_torch_archive(64 << 20)  # an item file holding this archive at bytes [0, len)
+    d = tmp_path / "dcp"
+    d.mkdir()
+    (d / "__0_0.distcp").write_bytes(item)
+    # a bytes item (an optimizer hyper-parameter): a tensor item is refused earlier, its data being
+    # shorter than the tensor it claims (checkpoint.dcp_reader._check_extents)
+    md = Metadata({"t": BytesStorageMetadata()}, planner_data={"t": ("t",)},
+                  storage_data={MetadataIndex("t"): _StorageInfo("__0_0.distcp", 0, len(item))})
+    (d / METADATA_FILE).write_bytes(pickle.dumps(md))
+    code = ("from mhmoe.checkpoint.read import read_trainer_state\nfrom mhmoe.checkpoint.dcp_reader import "
+            "read_dcp_full\nfrom mhmoe.errors import CheckpointError\nfrom pathlib import Path\n"
+            f"for f, a in ((read_trainer_state, Path({str(tmp_path)!r})), (read_dcp_full, {str(d)!r})):\n"
+            "    try:\n        f(a)\n        print('LOADED')\n    except CheckpointError as e:\n        print(e)\n")
+    out = run_limited(code, memory=2 << 30, cpu_s=60, timeout=120)
+    assert out.status == 0, (out.status, out.stderr[-2000:])
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == 2 and all("data/0' is compressed" in ln for ln in lines), out.stdout
+    assert str(state.parent) in lines[0] and str(d) in lines[1]
+    assert out.max_rss_mb < MAX_RSS_MB, out.max_rss_mb  # unbounded: + 64 MB each (4 GiB for a 4 MB file)
+
+
+def test_the_pickle_walk_is_linear_and_fast():
+    """The walk before torch.load: time linear in the opcodes and well under the ~5 us per opcode of
+    pickletools.genops (a 32 MB pickle of one-byte opcodes: ~25 min before), CPU time."""
+    import time
+
+    from mhmoe.runtime.bounded import scan_pickle
+
+    times = []
+    for n in (500_000, 2_000_000):
+        data = pickle_of_ops(n)
+        t0 = time.process_time()
+        assert scan_pickle(data) == (0, 4 * n + 8)
+        times.append(time.process_time() - t0)
+    assert times[1] < 8 * max(times[0], 0.05), times  # linear (4x the opcodes), with room for noise
+    assert times[1] / 2_000_000 < 2.5e-6, times  # about 0.5 us per opcode here
 
 
 def test_metadata_bombs_are_refused_within_memory_and_time(tmp_path):

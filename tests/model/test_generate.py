@@ -10,7 +10,7 @@ import torch
 
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
-from mhmoe.model.generate import filter_logits, generate
+from mhmoe.model.generate import filter_logits, generate, scaled_logits
 from mhmoe.model.lm import LM, KVCache
 
 V = 97
@@ -192,3 +192,19 @@ def test_temperature_sharpens():
     cold = generate(model, prompt, 1, temperature=1e-4, generator=g)[:, -1]
     assert torch.equal(cold, greedy)
     assert math.isfinite(float(filter_logits(torch.randn(2, 9) / 1e-4, 3, 0.5).max()))
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-30, 1e300, math.inf])
+def test_every_accepted_temperature_is_numerically_safe(temperature):
+    """logits / 1e-300 overflowed to inf and nan (``multinomial`` then raised): scaled_logits shifts by
+    the maximum first, so a tiny temperature is greedy and a huge one uniform, never nan."""
+    model = make_model(CONFIGS["dense"])
+    prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
+    out = generate(model, prompt, 8, temperature=temperature, top_k=20, top_p=0.9, generator=g)
+    assert out.shape == (2, 13)
+    if temperature < 1e-20:
+        assert torch.equal(out, generate(model, prompt, 8, temperature=0))  # greedy in the limit
+    logits = torch.tensor([[1.0, 3.0, float("-inf"), 3.0]])
+    s = scaled_logits(logits, temperature)
+    assert not s.isnan().any() and s.max() == 0 and s.softmax(-1).sum() == pytest.approx(1.0)

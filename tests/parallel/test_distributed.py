@@ -362,7 +362,7 @@ def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatc
 
 # ---- dp x ep = 2 x 2 (4 processes): expert gradients reduced over the dp group -------------------------------
 def _dp_ep_worker(rank: int, world: int, root: str) -> None:
-    from mhmoe.train.loop import train
+    from mhmoe.parallel import train_parallel as train  # the torchrun entry point (train.train is one process)
 
     for mode in ("ddp", "fsdp"):
         train(_case_run(Path(root), "mh-8", parallel=mode), Path(root) / f"{mode}-2x2", progress=False)

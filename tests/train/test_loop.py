@@ -131,15 +131,17 @@ def test_resume_survives_a_torn_metrics_line(tmp_path):
 
 
 def test_resume_without_checkpoints_starts_fresh_and_finished_run_is_a_no_op(tmp_path, capsys):
-    """--resume into a run directory that holds no checkpoint yet (killed before its first) starts at step
-    0 and says so; into a directory that does not exist it is an error (a mistyped --out)."""
+    """--resume into a run directory that holds no checkpoint and no config.yaml starts the given config at
+    step 0 and says so (tests/train/test_resume_identity.py: with a config.yaml, the run's own); into a
+    directory that does not exist it is an error (a mistyped --out)."""
     run = tiny_run(tmp_path, SMOE, max_steps=3)
     with pytest.raises(ConfigError, match="does not exist") as info:
         train(run, tmp_path / "r", resume=True, progress=False)
     assert info.value.field == "--out" and not (tmp_path / "r").exists()
     (tmp_path / "r").mkdir()
     res = train(run, tmp_path / "r", resume=True, progress=False)
-    assert res.step == 3 and "holds no checkpoint yet: starting from step 0" in capsys.readouterr().err
+    assert res.step == 3 and "holds no checkpoint and no config.yaml yet: starting the given config from step 0" \
+        in capsys.readouterr().err
     before = losses(tmp_path / "r")
     again = train(run, tmp_path / "r", resume=True, progress=False)
     assert again.step == 3 and losses(tmp_path / "r") == before
@@ -250,5 +252,7 @@ def test_resume_takes_threads_from_the_command(tmp_path):
     again = run.with_overrides(["train.threads=2"])
     train(again, tmp_path / "r", resume=True, progress=False, stop_after=2)
     assert torch.get_num_threads() == 2
-    assert RunConfig.from_yaml((tmp_path / "r" / "config.yaml").read_text()).train.threads == 2
+    assert RunConfig.load(list_checkpoints(tmp_path / "r")[-1] / "config.yaml").train.threads == 2
+    # config.yaml is what the run started with: a resume never rewrites it
+    assert RunConfig.from_yaml((tmp_path / "r" / "config.yaml").read_text()).train.threads == 1
     torch.set_num_threads(1)

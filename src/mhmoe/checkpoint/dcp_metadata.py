@@ -22,8 +22,12 @@ vocabulary is small and fixed, which makes an allow-list practical:
   else; object-building opcodes are restricted too: ``REDUCE`` may call only ``torch.Size``, the
   memory-format enum, the layout look-up and pure paths; ``NEWOBJ`` and ``BUILD`` apply only to
   instances of the metadata dataclasses (never to a class, so no attribute of a class can be set);
-  ``INST`` / ``OBJ`` (protocols 0-1 object creation) are refused; list, dict and set opcodes apply
-  only to real lists, dicts and sets. The result is then type-checked field by field
+  ``INST`` / ``OBJ`` (protocols 0-1 object creation) are refused; list and dict opcodes apply only to
+  real lists and dicts, and sets (which DCP metadata never holds) are refused. Cost: the file is walked
+  once before anything is built (:func:`mhmoe.runtime.bounded.scan_pickle`: nesting, and at most
+  ``MAX_PICKLE_COST_FACTOR`` bytes of objects per byte), dict keys must be strings or ``MetadataIndex``
+  and at most :data:`MAX_SAME_HASH` of them may share a hash (integer keys ``k * (2**61 - 1)`` all
+  collide in CPython), so time and memory stay linear in the file. The result is then type-checked field by field
   (:func:`check_metadata`), including every item's file name (a bare name inside the directory) and
   byte range.
 * Items are loaded with ``torch.load(..., weights_only=True)`` (torch's own allow-list unpickler:
@@ -34,7 +38,7 @@ vocabulary is small and fixed, which makes an allow-list practical:
   transforms (compression extensions), which mhmoe never writes, are refused.
 
 Everything refused raises :class:`mhmoe.errors.CheckpointError` with a one-line message. These modules
-import nothing from mhmoe but :mod:`mhmoe.errors`.
+import nothing from mhmoe but :mod:`mhmoe.errors` and :mod:`mhmoe.runtime`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mhmoe.errors import MAX_CHARS, CheckpointError, bounded_repr, one_line
+from mhmoe.runtime.bounded import MAX_PICKLE_DEPTH, BoundedLoadError, scan_pickle
+from mhmoe.runtime.reading import read_bytes
 
 __all__ = ["ALLOWED_GLOBALS", "check_file_name", "check_metadata", "read_metadata"]
 
@@ -67,7 +73,8 @@ METADATA_FILE = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
 
 # ---- limits: memory and time within a small multiple of the file's size ---------------------------------------
-MAX_METADATA_BYTES = 256 << 20  # a .metadata of a model with 10^5 tensors is a few MB
+MAX_METADATA_BYTES = 32 << 20  # ~185 bytes per tensor chunk: 2,000 tensors take 0.4 MB
+MAX_SAME_HASH = 8  # keys of one dict with the same hash (a real metadata has none: str keys, distinct indices)
 MAX_HASH_DEPTH = 16  # nesting of tuples / frozensets / metadata objects (what hashing a dict key walks)
 MAX_DIMS = 64  # elements of a torch.Size
 MAX_PATH_PARTS, MAX_PATH_CHARS = 64, 4096  # a checkpoint_id path
@@ -135,6 +142,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         # hashing walks these (a dict key, a set item), without a recursion check in C
         self._depth: dict[int, int] = {}
         self._keep: list[Any] = []
+        self._hashes: dict[int, dict[int, int]] = {}  # id of a dict being filled -> {key hash: keys}
 
     def depth(self, obj: Any) -> int:
         return self._depth.get(id(obj), 0)
@@ -150,6 +158,24 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         for k in items:
             if self.depth(k) >= MAX_HASH_DEPTH:
                 self._over(f"{what} nested deeper than {MAX_HASH_DEPTH} levels")
+
+    def _keys(self, target: dict, keys: Any) -> None:
+        """Before ``keys`` go into the dict ``target``: each a string or a MetadataIndex (what DCP
+        metadata keys are; ints hash to themselves, so ``k * (2**61 - 1)`` all collide), and at most
+        :data:`MAX_SAME_HASH` of one hash in one dict (a MetadataIndex hashes its offsets: crafted ones
+        can collide), so filling a dict costs linear time, never quadratic."""
+        counts = self._hashes.get(id(target))
+        if counts is None:
+            counts = self._hashes[id(target)] = {}
+            self._keep.append(target)  # its id stays unique while counted
+        for k in keys:
+            if type(k) is not str and type(k) is not MetadataIndex:
+                self._over(f"a dict key of type {type(k).__name__} (DCP metadata keys are strings and MetadataIndex)")
+            h = hash(k)
+            n = counts.get(h, 0) + 1
+            if n > MAX_SAME_HASH:
+                self._over(f"more than {MAX_SAME_HASH} dict keys with one hash (colliding keys)")
+            counts[h] = n
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -225,26 +251,22 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
     def _load_setitem(self) -> None:
         self._require(self.stack[-3], dict, "SETITEM")
         self._hashable(self.stack[-2:-1], "a dict key")
+        self._keys(self.stack[-3], self.stack[-2:-1])
         pickle._Unpickler.load_setitem(self)
 
     def _load_setitems(self) -> None:
         self._require(self._marked(), dict, "SETITEMS")
         self._hashable(self.stack[::2], "a dict key")
+        self._keys(self._marked(), self.stack[::2])
         pickle._Unpickler.load_setitems(self)
 
     def _load_dict(self) -> None:
         self._hashable(self.stack[::2], "a dict key")
+        self._keys({}, self.stack[::2])
         pickle._Unpickler.load_dict(self)
 
-    def _load_additems(self) -> None:
-        self._require(self._marked(), set, "ADDITEMS")
-        self._hashable(self.stack, "a set item")
-        pickle._Unpickler.load_additems(self)
-
-    def _load_frozenset(self) -> None:
-        self._hashable(self.stack, "a set item")
-        pickle._Unpickler.load_frozenset(self)
-        self._track(self.stack[-1], self.stack[-1])
+    def _load_set(self) -> None:  # EMPTY_SET, ADDITEMS, FROZENSET: DCP metadata holds no sets
+        self._over("a set (DCP metadata holds none)")
 
     def _tuple(self, load: Any) -> None:
         load(self)
@@ -273,8 +295,9 @@ for _op, _fn in ((pickle.REDUCE, "_load_reduce"), (pickle.NEWOBJ, "_load_newobj"
                  (pickle.NEWOBJ_EX, "_load_newobj_ex"), (pickle.BUILD, "_load_build"),
                  (pickle.APPEND, "_load_append"), (pickle.APPENDS, "_load_appends"),
                  (pickle.SETITEM, "_load_setitem"), (pickle.SETITEMS, "_load_setitems"),
-                 (pickle.ADDITEMS, "_load_additems"), (pickle.INST, "_load_inst"), (pickle.OBJ, "_load_obj"),
-                 (pickle.DICT, "_load_dict"), (pickle.FROZENSET, "_load_frozenset"), (pickle.TUPLE, "_load_tuple"),
+                 (pickle.ADDITEMS, "_load_set"), (pickle.EMPTY_SET, "_load_set"), (pickle.FROZENSET, "_load_set"),
+                 (pickle.INST, "_load_inst"), (pickle.OBJ, "_load_obj"), (pickle.DICT, "_load_dict"),
+                 (pickle.TUPLE, "_load_tuple"),
                  (pickle.TUPLE1, "_load_tuple1"), (pickle.TUPLE2, "_load_tuple2"), (pickle.TUPLE3, "_load_tuple3")):
     _MetadataUnpickler.dispatch[_op[0]] = getattr(_MetadataUnpickler, _fn)
 
@@ -385,14 +408,14 @@ def check_metadata(md: Any, where: str = "DCP checkpoint") -> Metadata:
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     """Unpickle a DCP ``.metadata`` file with the restricted unpickler and type-check it."""
     where = str(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_METADATA_BYTES:
-                raise fail(where, f"{size:,} bytes, more than the {MAX_METADATA_BYTES:,} allowed")
-            md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    try:  # a regular file within the size limit (fstat), its pickle walked once before anything is built
+        data = read_bytes(path, MAX_METADATA_BYTES, what="DCP .metadata")
+        scan_pickle(data, MAX_PICKLE_DEPTH)  # memory: at most MAX_PICKLE_COST_FACTOR x the file's size
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError:
         raise
+    except BoundedLoadError as exc:
+        raise fail(where, one_line(str(exc).removeprefix(f"{where}: "))) from None
     except OSError as exc:
         raise error(f"{where}: unreadable DCP metadata ({exc.__class__.__name__}: {exc.strerror})") from None
     except (Exception, RecursionError) as exc:  # noqa: BLE001 -- UnpicklingError, whatever a malformed pickle raises

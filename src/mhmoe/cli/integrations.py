@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -290,6 +291,9 @@ def _run_make_tasks(args) -> int:
     from mhmoe.integrations.lmeval_tasks import TASK_NAMES, build_tasks
 
     out = Path(args.out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise ConfigError("OUT", str(out), "a directory to write the task files into (this path exists and is not a "
+                          "directory)")
     names = [f"{n}.yaml" for n in TASK_NAMES] + ["kjv_cloze.jsonl", "kjv_ppl.jsonl"]
     existing = [n for n in names if (out / n).exists()]
     if existing and not args.force:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from mhmoe.errors import ConfigError, TrainingStopped
 
 # flags that set one config field each; a flag wins over --set for the same field
+DEFAULT_PRESET = "tiny-mh3"  # what `mhmoe train` trains without --preset or --config
 RUN_FLAGS = {"data": "data.corpus", "max_steps": "train.max_steps", "lr": "train.lr", "batch_size": "train.batch_size",
              "seed": "train.seed", "device": "train.device", "dtype": "train.dtype", "eval_every": "train.eval_every",
              "parallel": "train.parallel", "ep": "train.ep"}
@@ -34,7 +36,7 @@ def _load_run(args: argparse.Namespace):
     from mhmoe.config.presets import get_preset
     from mhmoe.config.run import RunConfig
 
-    run = RunConfig.load(args.config) if getattr(args, "config", None) else get_preset(args.preset)
+    run = RunConfig.load(args.config) if getattr(args, "config", None) else get_preset(args.preset or DEFAULT_PRESET)
     sets = flag_overrides(args)
     return run.with_overrides(sets) if sets else run
 
@@ -60,10 +62,12 @@ def refuse_unhonoured_resume_overrides(args: argparse.Namespace, run, launch_fie
     """``--resume`` continues a run with its own config: a flag or ``--set`` given on this command for any
     other field than the launch properties (``launch_fields`` of ``train``, ``data.cache_dir``) is refused
     with a one-line ConfigError when it differs from the run's value (instead of being silently ignored)."""
+    from mhmoe.checkpoint.layout import CONFIG_FILE
     from mhmoe.config.run import RunConfig
+    from mhmoe.runtime.reading import regular_or_missing
 
-    saved_file = Path(args.out) / "config.yaml"
-    if not getattr(args, "resume", False) or not saved_file.is_file():
+    saved_file = Path(args.out) / CONFIG_FILE
+    if not getattr(args, "resume", False) or not regular_or_missing(saved_file):  # a symlink, a FIFO: one line
         return
     taken = {f"train.{k}" for k in launch_fields} | {"data.cache_dir"}
     given = [s.split("=", 1)[0].strip() for s in flag_overrides(args)]
@@ -74,6 +78,21 @@ def refuse_unhonoured_resume_overrides(args: argparse.Namespace, run, launch_fie
             raise ConfigError(key, wanted[key], f"the run's own value {saved.get(key)!r}: --resume continues "
                               f"{args.out} with its config (only {launch} come from this command); train into a "
                               "new --out to change it")
+
+
+def refuse_resume_of_nothing(args: argparse.Namespace) -> None:
+    """``--resume`` into a directory that holds no checkpoint and no ``config.yaml`` has no run to
+    continue: refused in one line unless the run is named (``--config`` or ``--preset``), so a resume
+    never trains the default preset in place of a run it cannot find."""
+    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.checkpoint.layout import CONFIG_FILE
+
+    out = Path(args.out)
+    if (not args.resume or args.config or args.preset or not out.is_dir() or os.path.lexists(out / CONFIG_FILE)
+            or list_checkpoints(out)):
+        return
+    raise ConfigError("--out", str(out), "a run to resume (it holds no checkpoint and no config.yaml); name the run "
+                      "with --config or --preset to start it from step 0, or drop --resume")
 
 
 def preset_default(presets: tuple[str, ...], key: str) -> str:
@@ -146,7 +165,7 @@ def _add_train(sub) -> None:
                        description="Train a model; writes OUT/config.yaml, metrics.jsonl, eval.jsonl, curves.png, "
                        "results.json and checkpoints/step_N/ (README: 'Run directories').")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny-mh3", help="preset name (list: `mhmoe presets`)")
+    src.add_argument("--preset", help=f"preset name (list: `mhmoe presets`; default: {DEFAULT_PRESET})")
     src.add_argument("--config", metavar="YAML", help="a YAML run config (as printed by `mhmoe presets --show NAME`) "
                      "instead of --preset (default: none, the preset)")
     p.add_argument("--out", required=True, metavar="RUN", help="run directory (created if missing)")
@@ -167,8 +186,12 @@ def _run_train(args) -> int:
     run = _load_run(args)  # config errors before the (slow) torch.distributed import
     import torch
 
+    from mhmoe.checkpoint.layout import RESULTS_FILE
     from mhmoe.parallel.launch import train_parallel as train
+    from mhmoe.runtime.bounded import MAX_JSON_CHARS, load_json
+    from mhmoe.runtime.reading import read_text
 
+    refuse_resume_of_nothing(args)
     refuse_unhonoured_resume_overrides(args, run, _launch_fields(args))
     warn_slow_bf16(run.train.device, run.train.dtype)
     try:
@@ -181,7 +204,7 @@ def _run_train(args) -> int:
         return 1
     if res.rank != 0:  # torchrun: rank 0 reports
         return 0
-    summary = json.loads((Path(args.out) / "results.json").read_text())
+    summary = load_json(read_text(Path(args.out) / RESULTS_FILE, MAX_JSON_CHARS, follow=False), RESULTS_FILE)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:  # the run's own name: a resumed run keeps its config, whatever --preset says
@@ -259,6 +282,8 @@ def _run_generate(args) -> int:
 
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        if not 0 <= args.seed < 2**63:  # as train.seed: torch seeds are 64-bit, a negative one would wrap
+            raise ConfigError("seed", args.seed, "an integer in 0..2**63-1")
         model = load(args.checkpoint, args.device)
         if model.run is not None and model.run.model.arch != "decoder":
             raise ConfigError("--checkpoint", args.checkpoint, "a decoder (language model) run; this one is an encoder")

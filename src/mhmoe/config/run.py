@@ -20,6 +20,7 @@ from mhmoe.config.model import ModelConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError, did_you_mean
 from mhmoe.runtime.bounded import MAX_YAML_CHARS, BoundedLoadError, load_yaml
+from mhmoe.runtime.reading import read_text
 
 
 def _section(cls: type, d: Any, name: str) -> Any:
@@ -78,6 +79,9 @@ class RunConfig:
             d = load_yaml(text, where)
         except BoundedLoadError as exc:
             raise ConfigError("config", where, f"a valid run config ({str(exc).removeprefix(where + ': ')})") from None
+        if not isinstance(d, dict):  # e.g. a config.yaml linked to another file: name the file, not the type
+            raise ConfigError("config", where, f"a YAML mapping with model/train/data sections (this file holds a "
+                              f"{type(d).__name__})")
         return cls.from_dict(d)
 
     @classmethod
@@ -85,15 +89,14 @@ class RunConfig:
         """Read a YAML run config; ConfigError (one line, naming the file) for a missing, unreadable,
         empty, non-text or over-limit file."""
         path = Path(path)
-        try:
-            if path.is_file() and path.stat().st_size > MAX_YAML_CHARS * 4:  # never read a huge file whole
-                raise ConfigError("config", str(path), f"a run config of at most {MAX_YAML_CHARS:,} characters")
-            text = path.read_text(encoding="utf-8")
+        try:  # a regular file (never a FIFO or /dev/zero), its size from fstat before a byte is read
+            text = read_text(path, MAX_YAML_CHARS * 4, what="run config")
         except OSError as exc:
             raise ConfigError("config", str(path), f"a readable YAML file ({exc.strerror or type(exc).__name__})"
                               ) from None
-        except UnicodeDecodeError:
-            raise ConfigError("config", str(path), "a YAML text file (this one is not UTF-8 text)") from None
+        except BoundedLoadError as exc:
+            raise ConfigError("config", str(path), f"a YAML run config file ({str(exc).removeprefix(f'{path}: ')})"
+                              ) from None
         if not text.strip():
             raise ConfigError("config", str(path), "a YAML run config (this file is empty; in a run directory, the "
                               "config.yaml of its newest checkpoint, RUN/checkpoints/step_*/config.yaml, is a copy)")

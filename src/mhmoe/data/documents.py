@@ -13,8 +13,8 @@ hash value, so the repair is deterministic too.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +22,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mhmoe.errors import DataError
+from mhmoe.runtime.bounded import BoundedLoadError
+from mhmoe.runtime.reading import open_regular, read_gzip
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 DEFAULT_VAL_PERCENT = 5
@@ -165,11 +167,16 @@ def decode_text(data: bytes, where: str) -> str:
 
 
 def read_text_file(path: Path) -> str:
-    """Read a UTF-8 text file (transparently gunzipping ``*.gz``) via :func:`decode_text`."""
+    """Read a UTF-8 regular text file (transparently gunzipping ``*.gz``, within
+    :func:`mhmoe.runtime.reading.gzip_limit` of its size: a gzip bomb is refused) via :func:`decode_text`."""
     try:
-        data = path.read_bytes()
         if path.suffix == ".gz":
-            data = gzip.decompress(data)
+            data = read_gzip(path)
+        else:
+            with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or a device is refused, never read
+                data = f.read()
+    except BoundedLoadError as e:
+        raise DataError(str(e)) from None
     except (OSError, EOFError) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
     return decode_text(data, str(path))

@@ -23,7 +23,7 @@ from mhmoe.config.fields import is_int
 from mhmoe.data.bpe import load_or_train_bpe
 from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus
 from mhmoe.data.documents import Corpus, Document, doc_hash
-from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens
+from mhmoe.data.token_cache import TokenFile, load_or_build_tokens, usable_cache_dir
 from mhmoe.data.tokenizer import Tokenizer, get_pretrained_tokenizer
 from mhmoe.errors import ConfigError, DataError
 
@@ -113,7 +113,7 @@ def prepare_data(
         from mhmoe.data.bundle import prepare_from_bundle
 
         return prepare_from_bundle(cfg, seq_len=seq_len, tokenizer=tokenizer)
-    cache = default_cache_dir(cfg.cache_dir)
+    cache = usable_cache_dir(cfg.cache_dir)  # a cache_dir that cannot be created: one line naming it, at once
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir, progress=progress)
     load_s = time.perf_counter() - t0

@@ -15,6 +15,7 @@ token file first, so an interrupted build leaves at worst a manifest that no lon
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -29,9 +30,9 @@ import numpy as np
 
 from mhmoe.data.documents import Document, source_hash
 from mhmoe.data.tokenizer_base import Tokenizer, check_path_component
-from mhmoe.errors import DataError
+from mhmoe.errors import ConfigError, DataError, UnsafePathError, one_line
 from mhmoe.runtime.bounded import load_json
-from mhmoe.runtime.files import atomic_write, sha256_file
+from mhmoe.runtime.files import atomic_write, make_dirs, sha256_file, what_it_is
 
 CACHE_FORMAT_VERSION = 1
 VERIFY_MAX_BYTES = 512 * 2**20
@@ -51,6 +52,21 @@ def default_cache_dir(cache_dir: str | os.PathLike[str] = "") -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("MHMOE_CACHE", "")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "mhmoe"
+
+
+def usable_cache_dir(cache_dir: str | os.PathLike[str] = "") -> Path:
+    """:func:`default_cache_dir` of ``cache_dir``, created if missing; ConfigError naming
+    ``data.cache_dir`` and the problem when it cannot be (``/proc/x``, a file, no permission)."""
+    path = default_cache_dir(cache_dir)
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"it is {what_it_is(path.stat().st_mode)}")
+        make_dirs(path)
+    except (OSError, UnsafePathError) as exc:
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        raise ConfigError("data.cache_dir", str(path), f"a directory mhmoe can create and write its caches in "
+                          f"({path}: {what})") from None
+    return path
 
 
 @dataclass

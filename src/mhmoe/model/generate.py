@@ -36,6 +36,16 @@ def new_tokens(max_seq_len: int, prompt_len: int, max_new_tokens: int, clamp: bo
     return min(max_new_tokens, room)
 
 
+def scaled_logits(logits: Tensor, temperature: float) -> Tensor:
+    """``logits / temperature`` [B, V] for sampling, safe for any temperature > 0: computed as
+    ``(logits - max) / temperature``, so the largest is 0 and the others are <= 0 (never ``inf - inf``):
+    a tiny temperature (1e-300) gives -inf to every logit below the maximum, i.e. greedy decoding with
+    ties shared; an infinite one gives 0 to every finite logit (uniform)."""
+    shifted = (logits - logits.amax(-1, keepdim=True)).double()  # float32(1e-300) would be 0: 0 / 0
+    out = (shifted / temperature).to(logits.dtype)
+    return torch.where(out.isnan(), float("-inf"), out)  # -inf / inf
+
+
 @torch.no_grad()
 def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, generator: torch.Generator | None = None) -> Tensor:
@@ -55,7 +65,7 @@ def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float 
         if temperature <= 0:
             nxt = logits.argmax(-1)
         else:
-            probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+            probs = filter_logits(scaled_logits(logits, temperature), top_k, top_p).softmax(-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         out.append(nxt[:, None])
         if eos_id is not None:

@@ -8,6 +8,7 @@ implements it with collectives, so ``mhmoe.train`` never imports ``mhmoe.paralle
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.data.tokenizer_base import Tokenizer
-from mhmoe.errors import ConfigError
+from mhmoe.errors import ConfigError, TrainingStopped
 from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model.lm import LM
 from mhmoe.parallel.checkpoint import load_dcp_into, open_latest_dcp, save_dcp_checkpoint
@@ -97,9 +99,66 @@ def train_parallel(run: RunConfig, run_dir: str | Path, resume: bool = False, pr
         return train(run, run_dir, resume, progress, stop_after, launch_fields=launch_fields)
     owns_pg = not dist.is_initialized()
     env = init_distributed(run.train.device, run.train.ep)
+    lost = False
     try:
         return train(run, run_dir, resume, progress, stop_after, parallelism=Distributed(env, mode),
                      launch_fields=launch_fields)
+    except RuntimeError as exc:
+        if not is_peer_loss(exc):
+            raise
+        lost = True
+        raise PeerLost(peer_loss_message(env.rank, env.world_size, Path(run_dir))) from None
     finally:
-        if owns_pg:
+        if owns_pg and not lost:  # after a lost peer the group is broken: the process exit releases it
             teardown()
+
+
+# ---- a rank that loses a peer --------------------------------------------------------------------------------
+#: what gloo / NCCL / the store say when the other end of a collective is gone (killed, out of memory, network)
+PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+             "no route to host", "timed out", "socket closed", "remote worker", "nccl communicator was aborted")
+
+
+class PeerLost(TrainingStopped):
+    """This rank lost a peer of its torchrun job; the message (one line) names the peer and the last
+    checkpoint. The CLI prints it and exits with status 1, without a traceback."""
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a collective failing because a peer is gone."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and any(s in str(exc)[:2000].lower() for s in PEER_LOSS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def lost_peers(rank: int, world: int, wait_s: float = 5.0) -> list[int] | None:
+    """The ranks that are gone, by a roll call in the rendezvous store: every rank that lost a peer
+    answers within ``wait_s`` seconds; None when the store is unreachable (its host is gone)."""
+    if world == 2:
+        return [1 - rank]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"mhmoe/alive/{rank}", b"1")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(world) if r != rank]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"mhmoe/alive/{r}"])]
+            time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 -- the store's host (rank 0 outside torchrun's agent) is gone too
+        return None
+
+
+def peer_loss_message(rank: int, world: int, run_dir: Path) -> str:
+    """``rank R: lost rank P of W (killed, out of memory or a network failure); the last checkpoint is step
+    N (PATH): continue with --resume``."""
+    lost = lost_peers(rank, world)
+    who = (f"rank {', '.join(map(str, lost))}" if lost else "a peer") + f" of {world}"
+    ckpts = list_checkpoints(run_dir)
+    last = (f"the last checkpoint is step {int(ckpts[-1].name.split('_')[-1])} ({ckpts[-1]}): continue with "
+            "--resume" if ckpts else f"no checkpoint of {run_dir} was saved yet")
+    return f"rank {rank}: lost {who} (killed, out of memory or a network failure); {last}"

@@ -46,6 +46,7 @@ FSYNC_ENV = "MHMOE_FSYNC"
 STAGING_PREFIX = ".tmp-"  # a hidden sibling being written: .tmp-NAME-TAG (staging_path)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _OS_ERROR_CODE = re.compile(r"os error (\d+)")  # how Rust libraries (safetensors) print an io::Error
@@ -123,9 +124,12 @@ def open_dir(directory: str | os.PathLike[str], root: str | os.PathLike[str] | N
                         if durable_default():  # the new entry (RUN/checkpoints) survives a power cut too
                             fsync_dir(fd)
                 except OSError as exc:
-                    if exc.errno in (errno.ENOTDIR, errno.ELOOP) and stat.S_ISLNK(
-                            os.lstat(part, dir_fd=fd).st_mode):
-                        raise _refuse(where) from None
+                    if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                        mode = os.lstat(part, dir_fd=fd).st_mode
+                        if stat.S_ISLNK(mode):
+                            raise _refuse(where) from None
+                        raise UnsafePathError(f"{where}: is {what_it_is(mode)}, not a directory; mhmoe writes into it "
+                                              "(remove it, or choose another directory)") from None
                     raise
             os.close(fd)
             fd = nfd
@@ -182,6 +186,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, root:
     dfd = open_dir(path.parent, root if root is not None else path.parent, create=True)
     tmp = None
     try:
+        check_target(dfd, path.name, path)
         for _ in range(100):
             tmp = f".{path.name[:100]}.{secrets.token_hex(4)}.tmp"
             try:
@@ -218,18 +223,61 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, root:
 
 def open_append(path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> BinaryIO:
     """``path`` opened for appending (created if missing) without following a symlink: a symlink in its
-    place, or below ``root``, raises UnsafePathError naming it."""
+    place, or below ``root``, raises UnsafePathError naming it; so does anything but a regular file
+    with one link (a FIFO, a device, a directory, a hard link to a file elsewhere), checked with
+    ``fstat`` of the opened file before a byte is written (the open never blocks: ``O_NONBLOCK``)."""
     path = Path(path)
     dfd = open_dir(path.parent, root if root is not None else path.parent, create=True)
     try:
-        fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644, dir_fd=dfd)
+        fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK, 0o644,
+                     dir_fd=dfd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _refuse(path) from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):  # a directory; a FIFO without reader, a socket
+            raise _not_writable(path, os.lstat(path.name, dir_fd=dfd)) from None
         raise
     finally:
         os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            raise _not_writable(path, st)
+    except BaseException:
+        os.close(fd)
+        raise
     return os.fdopen(fd, "ab")
+
+
+def what_it_is(mode: int) -> str:
+    """``"a directory"``, ``"a FIFO"``, ... for an ``st_mode``."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_writable(path: Path, st: os.stat_result) -> UnsafePathError:
+    """The one-line refusal of a write target that is not a regular file of its own (``st``: its stat)."""
+    if stat.S_ISREG(st.st_mode):
+        return UnsafePathError(f"{path}: has {st.st_nlink} hard links; mhmoe does not write into a file that is also "
+                               "another file (remove it)")
+    return UnsafePathError(f"{path}: is {what_it_is(st.st_mode)}, not a regular file; mhmoe writes only regular files "
+                           "inside run, export and cache directories (remove it)")
+
+
+def check_target(dfd: int, name: str, path: Path) -> None:
+    """A file about to be replaced by rename in the directory ``dfd``: missing, a regular file (hard
+    links included: the rename replaces the name, never the other file) or a symlink (replaced, not
+    followed); anything else (a directory, a FIFO, a device) raises UnsafePathError naming ``path``."""
+    try:
+        st = os.lstat(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise _not_writable(path, st)
 
 
 # ---- directories written whole -----------------------------------------------------------------------------

@@ -10,9 +10,10 @@ later run, finding the record of a process that died without releasing, reports 
 A clean release removes the file while still holding the lock (filelock then sees the unlinked
 inode and retries, so no two holders ever share the path).
 
-A ``.lock`` that is a symlink (a run directory prepared by someone else) is refused in one line,
-never followed or truncated. Where the file system refuses locks the run goes on unlocked, with a
-warning. Under torchrun only rank 0 takes the lock (see :func:`mhmoe.train.loop.train`).
+A ``.lock`` that is not a regular file of its own (a run directory prepared by someone else: a
+symlink, a hard link to another file, a FIFO, a device, a directory) is refused in one line, never
+followed, truncated or written; so is a file system that refuses locks: a run never trains unlocked.
+Under torchrun only rank 0 takes the lock (see :func:`mhmoe.train.loop.train`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -29,11 +31,26 @@ from types import TracebackType
 
 from filelock import FileLock, Timeout
 
-from mhmoe.errors import ConfigError, UnsafePathError
+from mhmoe.checkpoint import layout
+from mhmoe.errors import ConfigError, UnsafePathError, one_line
+from mhmoe.runtime.files import what_it_is
 
-LOCK_FILE = ".lock"
+LOCK_FILE = layout.LOCK_FILE  # RUN/.lock
 RECORD_BYTES = 4096  # a holder record is ~80 bytes; more is not a record
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+FILELOCK_MAJOR = 4  # FileLock's on_acquired= and fallback_to_soft= arrived in filelock 4.0
+
+
+def require_filelock(version: str | None = None) -> None:
+    """Refuse, in one line, a filelock older than 4.0 (whose FileLock has no ``on_acquired`` hook): an
+    environment that installed mhmoe without its dependencies (``--no-deps``) may hold one."""
+    import filelock
+
+    found = str(version if version is not None else getattr(filelock, "__version__", "0"))
+    major = found.split(".")[0]
+    if not major.isdigit() or int(major) < FILELOCK_MAJOR:
+        raise ConfigError("filelock", found, f">= {FILELOCK_MAJOR}.0 (the run-directory lock uses its on_acquired "
+                          "hook): pip install 'filelock>=4,<5'")
 
 
 def _parse(data: bytes) -> dict:
@@ -64,6 +81,34 @@ def _describe(rec: dict) -> str:
     return f"process {str(rec.get('pid', '?'))[:20]} on {str(rec.get('host', '?'))[:100]}"
 
 
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _symlink(path: Path) -> UnsafePathError:
+    return UnsafePathError(f"{path}: is a symlink; mhmoe does not write through symlinks inside run directories "
+                           "(remove it)")
+
+
+def check_lock_file(path: Path, st: os.stat_result | None) -> None:
+    """``RUN/.lock`` (of stat ``st``; None: missing) is one the lock may create or write: missing, or a
+    regular file with one link. A symlink, a hard link to another file, a FIFO, a device or a directory
+    raise UnsafePathError naming it (the lock writes its holder's record into the file)."""
+    if st is None:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(f"{path}: is {what_it_is(st.st_mode)}, not a regular file; mhmoe locks a run directory "
+                              "with a file of its own (remove it)")
+    if st.st_nlink > 1:
+        raise UnsafePathError(f"{path}: has {st.st_nlink} hard links; mhmoe does not write its lock record into a file "
+                              "that is also another file (remove it)")
+
+
 class RunDirLock:
     """``with RunDirLock(run_dir): ...`` holds the exclusive lock of ``run_dir`` (created if missing, with
     its missing parents; the directories this lock created that are still empty are removed again on
@@ -82,6 +127,7 @@ class RunDirLock:
     def __enter__(self) -> RunDirLock:
         if not self.enabled:
             return self
+        require_filelock()
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError("--out", str(self.run_dir), "a directory (this path is a file)")
         missing, p = [], self.run_dir
@@ -106,9 +152,7 @@ class RunDirLock:
 
     # ------------------------------------------------------------------------------------------------
     def _acquire(self) -> None:
-        if self.path.is_symlink():
-            raise UnsafePathError(f"{self.path}: is a symlink; mhmoe does not write through symlinks inside run "
-                                  "directories (remove it)")
+        check_lock_file(self.path, _lstat(self.path))
         self._before = _read_record(self.path)  # filelock may empty the file before on_acquired sees it
         lock = FileLock(self.path, timeout=0, fallback_to_soft=False, on_acquired=self._write_record)
         try:
@@ -119,12 +163,12 @@ class RunDirLock:
                               ) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # planted between the check and the open
-                raise UnsafePathError(f"{self.path}: is a symlink; mhmoe does not write through symlinks inside "
-                                      "run directories (remove it)") from None
-            if self.warn:  # e.g. ENOLCK/EOPNOTSUPP/ENOSYS: a file system without locks
-                print(f"mhmoe: warning: cannot lock {self.path} ({exc.strerror or exc}); two trainings into "
-                      f"{self.run_dir} at once would not be detected", file=sys.stderr)
-            return
+                raise _symlink(self.path) from None
+            # e.g. ENOLCK/EOPNOTSUPP/ENOSYS: a file system without locks. Training unlocked would let a second
+            # training into the same directory go undetected: refused
+            raise UnsafePathError(f"{self.path}: cannot be locked ({exc.strerror or one_line(exc)}); mhmoe trains "
+                                  "only into a run directory it can lock (choose an --out on a local file system)"
+                                  ) from None
         self.lock = lock
         if self.taken_over and self.warn:
             print(f"mhmoe: note: {self.run_dir} was locked by {_describe(self.taken_over)}, which ended without "
@@ -132,7 +176,10 @@ class RunDirLock:
 
     def _write_record(self, fd: int) -> None:
         """filelock's ``on_acquired`` hook (the flock is held): keep the previous holder's record, if this
-        is the file it was written into, then write ours."""
+        is the file it was written into, then write ours. The opened file must be a regular file with one
+        link (a hard link planted at ``.lock`` would be truncated and written through): UnsafePathError
+        otherwise, before anything is written (filelock then releases the lock)."""
+        check_lock_file(self.path, os.fstat(fd))
         ino, before = self._before
         found = _parse(os.pread(fd, RECORD_BYTES, 0))
         self.taken_over = found or (before if ino == os.fstat(fd).st_ino else {})

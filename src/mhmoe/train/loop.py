@@ -32,13 +32,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from mhmoe.checkpoint.format import list_checkpoints, remove_stale_temporaries
-from mhmoe.checkpoint.layout import RUN_LOGS
+from mhmoe.checkpoint.layout import CONFIG_FILE, EVAL_FILE, RESULTS_FILE, RUN_LOGS
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError, TrainingStopped
@@ -47,6 +48,7 @@ from mhmoe.model import build_model
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import regular_or_missing
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
@@ -56,6 +58,7 @@ from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
 from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
 from mhmoe.train.resume import LAUNCH_FIELDS, resumed_run
+from mhmoe.train.run_dir import check_run_paths
 
 
 @dataclass
@@ -154,9 +157,12 @@ class Trainer:
         self.run_dir, self.parallelism, self.stop_after = run_dir, parallelism, stop_after
         par = parallelism
         if par.is_rank0:
+            check_run_paths(run_dir)  # a FIFO, a device, a file for checkpoints/: one line now, not at the first save
             remove_stale_temporaries(run_dir)  # left by a killed run (the lock says none is writing now)
         self.ckpt = self._open_resume(run, resume, launch_fields)
-        self.run_config = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else run
+        self.from_config_file = False  # a resume without checkpoint that starts the run's own config.yaml
+        self.run_config = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else \
+            self._start_config(run, resume, launch_fields)
         self.train_config = self.run_config.train
         if self.train_config.threads:
             torch.set_num_threads(self.train_config.threads)
@@ -197,8 +203,6 @@ class Trainer:
                                                           "no checkpoint: pass --resume to train that run again from "
                                                           "step 0, or choose another --out)")
         if not has_ckpt:
-            if resume and self.parallelism.is_rank0:
-                print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting from step 0", file=sys.stderr)
             return None
         ckpt = self.parallelism.load_checkpoint(self.run_dir)
         if self.parallelism.is_rank0:
@@ -207,6 +211,25 @@ class Trainer:
             print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
                   f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
+
+    def _start_config(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> RunConfig:
+        """The config a run without checkpoint starts from step 0: ``run``, except on a resume of a run
+        that wrote its ``config.yaml`` (killed before its first checkpoint, or during its first save):
+        then the run's own config, with this command's launch properties, as a checkpoint's would be. An
+        unreadable ``config.yaml`` (a symlink, a FIFO, damaged) is refused in one line; the run's
+        configuration is never replaced by another."""
+        saved_file = self.run_dir / CONFIG_FILE
+        if not resume or not regular_or_missing(saved_file):
+            if resume and self.parallelism.is_rank0:
+                print(f"mhmoe: note: {self.run_dir} holds no checkpoint and no {CONFIG_FILE} yet: starting the "
+                      "given config from step 0", file=sys.stderr)
+            return run
+        saved = RunConfig.load(saved_file)
+        self.from_config_file = True
+        if self.parallelism.is_rank0:
+            print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting its own {saved_file} from step 0",
+                  file=sys.stderr)
+        return resumed_run(SimpleNamespace(run=saved), run, launch_fields)  # type: ignore[arg-type]
 
     def _prepare_objective(self, progress: bool) -> Objective:
         """The run's training objective (``data.task``) with its data tokenized and cached (rank 0 first, so the others
@@ -235,9 +258,10 @@ class Trainer:
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:
+        """``RUN/config.yaml``, written when a run starts (never by a resume: what the run is never changes)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.parallelism.is_rank0:
-            atomic_write(self.run_dir / "config.yaml", self.run_config.to_yaml(), root=self.run_dir)
+        if self.parallelism.is_rank0 and self.ckpt is None and not self.from_config_file:
+            atomic_write(self.run_dir / CONFIG_FILE, self.run_config.to_yaml(), root=self.run_dir)
 
     def _restore(self) -> Progress:
         """Optimizer, scheduler, RNG and counters from the resume checkpoint (fresh counters without one)."""
@@ -331,7 +355,7 @@ class Trainer:
             self.bar.write(format_eval(step, cfg.max_steps, res, time.perf_counter() - t0))
         if self.metrics is not None:
             self.metrics.log({"step": step, **{f"{k}_ppl": v["ppl"] for k, v in res.items()},
-                              **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file="eval.jsonl")
+                              **{f"{k}_loss": v["loss"] for k, v in res.items()}}, file=EVAL_FILE)
             update_run_plot(self.run_dir)  # RUN/curves.png
         self.result.eval = res
         return res
@@ -428,5 +452,5 @@ class Trainer:
         summary = {"preset": self.run_config.name, "step": st.step, "params": res.params,
                    "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
                    "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.parallelism.summary()}
-        atomic_write(self.run_dir / "results.json", json.dumps(summary, indent=2), root=self.run_dir)
+        atomic_write(self.run_dir / RESULTS_FILE, json.dumps(summary, indent=2), root=self.run_dir)
         return res

@@ -4,14 +4,18 @@ summary written into them (the progress bars: :mod:`mhmoe.train.progress`)."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mhmoe.checkpoint.layout import EVAL_FILE, METRICS_FILE, TB_DIR
 from mhmoe.errors import UnsafePathError
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.files import atomic_write, make_dirs, open_append
+from mhmoe.runtime.reading import iter_lines, regular_or_missing
 
 
 def sum_routing(acc: list[RoutingStats] | None, new: list[RoutingStats]) -> list[RoutingStats]:
@@ -40,32 +44,38 @@ def routing_summary(stats: list[RoutingStats], n_micro: int) -> dict[str, Any]:
 
 class MetricsWriter:
     """metrics.jsonl / eval.jsonl (+ TensorBoard when available) writer; a fresh run empties both
-    files, a resumed one drops their lines past the resume step (logged after that checkpoint)."""
+    files, a resumed one drops their lines past the resume step (logged after that checkpoint), and
+    does not log again a step whose record it kept (the final evaluation of a finished run)."""
 
     def __init__(self, run_dir: Path, resume_step: int | None) -> None:
-        self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
-        for path in (self.path, run_dir / "eval.jsonl"):  # never through a symlink (mhmoe.runtime.files)
-            if resume_step is not None and path.exists():
-                lines = [(ln, logged_step(ln)) for ln in path.read_text(encoding="utf-8").splitlines()]
-                keep = [ln for ln, s in lines if s is not None and s <= resume_step]
-                atomic_write(path, "".join(ln + "\n" for ln in keep), root=run_dir)
-            elif resume_step is None:
+        self.run_dir, self.path = run_dir, run_dir / METRICS_FILE
+        self.kept: dict[str, int] = {}  # file -> the last step of the records kept on resume
+        for path in (self.path, run_dir / EVAL_FILE):  # never through a symlink (mhmoe.runtime.files)
+            if resume_step is None:
                 atomic_write(path, "", root=run_dir)
+            elif os.path.islink(path):  # planted: not read (its target is not this run's log), replaced
+                print(f"mhmoe: note: {path} is a symlink: not read, replaced by a log without its lines",
+                      file=sys.stderr)
+                atomic_write(path, "", root=run_dir)
+            elif regular_or_missing(path):  # a FIFO, a device or a directory: refused in one line
+                self.kept[path.name] = keep_logged(path, resume_step, run_dir)
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(make_dirs(run_dir / "tb", root=run_dir)))
+            self.tb = SummaryWriter(str(make_dirs(run_dir / TB_DIR, root=run_dir)))
         except UnsafePathError:
             raise
         except Exception:  # tensorboard missing: jsonl only
             self.tb = None
 
-    def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
+    def log(self, record: dict[str, Any], file: str = METRICS_FILE) -> None:
+        if record.get("step", 0) <= self.kept.get(file, -1):  # logged before the resume (a finished run resumed)
+            return
         with open_append(self.run_dir / file, root=self.run_dir) as f:
             f.write((json.dumps(record) + "\n").encode("utf-8"))
         if self.tb is not None:
-            prefix = "eval/" if file != "metrics.jsonl" else "train/"
+            prefix = "eval/" if file != METRICS_FILE else "train/"
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(prefix + k, v, record["step"])
@@ -75,9 +85,27 @@ class MetricsWriter:
             self.tb.close()
 
 
-def logged_step(line: str) -> int | None:
+def keep_logged(path: Path, resume_step: int, run_dir: Path) -> int:
+    """Rewrite the log ``path`` (atomically) with its records up to ``resume_step``, streamed line by line
+    (memory bounded whatever its size; :func:`mhmoe.runtime.reading.iter_lines`); returns the last step
+    kept (-1: none)."""
+    last = -1
+
+    def write(f: Any) -> None:
+        nonlocal last
+        for line in iter_lines(path, follow=False):
+            step = logged_step(line)
+            if step is not None and step <= resume_step:
+                f.write(line + b"\n")
+                last = max(last, step)
+
+    atomic_write(path, write, root=run_dir)
+    return last
+
+
+def logged_step(line: str | bytes) -> int | None:
     """The step of one metrics/eval line; None for a blank or torn line (a crash mid-write)."""
     try:
         return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError, RecursionError):
+    except (ValueError, AttributeError, TypeError, RecursionError, OverflowError):
         return None

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mhmoe.checkpoint.layout import CURVES_FILE, EVAL_FILE, METRICS_FILE
 from mhmoe.errors import one_line
+from mhmoe.runtime.reading import iter_lines
 from mhmoe.train.plot_style import colors, draw_series, figure, final_values, save_figure, step_axis, value_axis
-
-CURVES_FILE = "curves.png"
 
 
 @dataclass
@@ -41,11 +42,13 @@ class Curves:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a ``.jsonl`` file (a torn last line, as after a crash, is skipped)."""
-    if not path.is_file():
+    """The JSON objects of a ``.jsonl`` file (a torn last line, as after a crash, is skipped), streamed
+    line by line (:func:`mhmoe.runtime.reading.iter_lines`); anything but a regular file (a symlink, a
+    FIFO, a device) is not read."""
+    if not stat.S_ISREG(path.lstat().st_mode if os.path.lexists(path) else 0):
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in iter_lines(path, follow=False):
         try:
             rec = json.loads(line)
         except (ValueError, RecursionError):  # a torn line, or a nesting bomb in a stranger's run
@@ -60,9 +63,9 @@ def read_curves(run_dir: str | os.PathLike[str], label: str | None = None) -> Cu
     run = Path(run_dir)
     if label is None:
         label = run.parent.name if run.name.startswith("seed") and run.name[4:].isdigit() else run.name
-    curves = Curves(label, [(int(r["step"]), float(r["loss"])) for r in read_jsonl(run / "metrics.jsonl")
+    curves = Curves(label, [(int(r["step"]), float(r["loss"])) for r in read_jsonl(run / METRICS_FILE)
                             if isinstance(r.get("loss"), (int, float))])
-    for rec in read_jsonl(run / "eval.jsonl"):
+    for rec in read_jsonl(run / EVAL_FILE):
         for key, value in rec.items():
             if key.endswith("_ppl") and isinstance(value, (int, float)):
                 curves.val.setdefault(key[:-4], []).append((int(rec["step"]), float(value)))
