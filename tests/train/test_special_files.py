@@ -156,3 +156,32 @@ def test_special_config_and_cache_paths_are_one_line_errors(run2, tmp_path, caps
                      f"data.cache_dir={cache}"]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"invalid data.cache_dir='{cache}'" in err and what in err, err
+
+
+def test_fifos_in_checkpoint_and_saved_directories_are_refused_not_waited_on(tmp_path):
+    """meta.json of a checkpoint and config.json of a saved model directory are downloaded content: a
+    FIFO there made every loader wait forever."""
+    from mhmoe.checkpoint import save_checkpoint
+    from mhmoe.config.model import ModelConfig
+    from mhmoe.config.run import RunConfig
+    from mhmoe.config.train import TrainConfig
+    from mhmoe.data.tokenizer import ByteTokenizer
+    from mhmoe.errors import CheckpointError
+    from mhmoe.loading.checkpoint import load_checkpoint
+    from mhmoe.model.lm import LM
+
+    cfg = ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=4, d_ff=32, max_seq_len=16)
+    model = LM(cfg)
+    ck = save_checkpoint(tmp_path / "run", 1, model, RunConfig(model=cfg, train=TrainConfig(seq_len=16)),
+                         ByteTokenizer(), {"step": 1})
+    (ck / "meta.json").unlink()
+    os.mkfifo(ck / "meta.json")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(ck)
+    _refused(info, ck / "meta.json", "is a FIFO")
+    saved = model.save_pretrained(tmp_path / "saved")
+    (saved / "config.json").unlink()
+    os.mkfifo(saved / "config.json")
+    with pytest.raises(CheckpointError) as info:  # not a saved directory (its config.json is no file): one line
+        LM.from_pretrained(saved)
+    _refused(info, saved, "")

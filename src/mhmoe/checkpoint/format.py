@@ -36,6 +36,7 @@ from mhmoe.runtime.files import (
     remove_tree,
     sha256_file,
 )
+from mhmoe.runtime.reading import read_text
 
 T = TypeVar("T")
 
@@ -135,10 +136,8 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     File names in meta.json must stay inside the checkpoint directory (no absolute paths, no ``..``,
     no symlink out of it)."""
     meta_path = path / META_FILE
-    try:
-        if meta_path.stat().st_size > MAX_JSON_CHARS:  # before reading it
-            raise ValueError(f"{meta_path.stat().st_size:,} bytes, more than the {MAX_JSON_CHARS:,} allowed")
-        meta = load_json(meta_path.read_text(encoding="utf-8"), str(meta_path))
+    try:  # a regular file (a FIFO never blocks), its size from fstat before reading it
+        meta = load_json(read_text(meta_path, MAX_JSON_CHARS, what="meta.json"), str(meta_path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable meta.json ({one_line(exc, 200)})") from None
     if not isinstance(meta, dict):

@@ -157,6 +157,8 @@ def warn_slow_bf16(device: str, dtype: str) -> None:
 RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with the run's own config (model, "
                "data, optimizer, schedule); --max-steps, --parallel, --ep, train.threads and data.cache_dir come "
                "from this command, and any other flag or --set that differs from the run's value is refused. "
+               "Without a checkpoint (killed before the first), the run's own config.yaml starts again from step 0; "
+               "without a checkpoint and a config.yaml, name the run with --config or --preset. "
                "Without --resume, an --out that holds checkpoints is refused")
 
 

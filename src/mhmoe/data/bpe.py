@@ -23,7 +23,9 @@ from mhmoe.config.data import MIN_BPE_VOCAB
 from mhmoe.data.documents import Document, source_hash
 from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
+from mhmoe.runtime.bounded import MAX_JSON_CHARS
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_text
 
 BPE_VERSION = 1
 BPE_FILE = "tokenizer.json"
@@ -75,7 +77,7 @@ class BPETokenizer(Tokenizer):
     def _from_saved(cls, directory: Path, meta: dict[str, Any]) -> Tokenizer:
         path = directory / BPE_FILE
         try:
-            hf = HFTokenizer.from_str(path.read_text("utf-8"))
+            hf = HFTokenizer.from_str(read_text(path, MAX_JSON_CHARS, what="tokenizer"))  # a FIFO never blocks
         except Exception as e:  # missing file, bad JSON, or a schema the library rejects
             raise DataError(f"{path}: cannot load BPE tokenizer ({type(e).__name__}: {e})") from None
         return cls(hf, name=str(meta.get("name", "bpe")))

@@ -40,8 +40,9 @@ from mhmoe.checkpoint.read import CheckpointFiles, open_checkpoint, read_safeten
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
-from mhmoe.runtime.bounded import load_json
+from mhmoe.runtime.bounded import MAX_JSON_CHARS, load_json
 from mhmoe.runtime.files import atomic_write, publish_dir, staging_dir
+from mhmoe.runtime.reading import read_text
 
 KEY_PREFIX = "model."  # transformers layout: MHMoEForCausalLM.model is the LM
 M = TypeVar("M", bound="PretrainedMixin")
@@ -77,7 +78,7 @@ def saved_dir_files(d: Path) -> PretrainedFiles:
     """A saved (or ``export --hf``) directory: ``config.json`` with an ``mhmoe`` model config + weights."""
     check_links(d)
     try:
-        meta = load_json((d / SAVED_CONFIG_FILE).read_text(encoding="utf-8"), str(d / SAVED_CONFIG_FILE))
+        meta = load_json(read_text(d / SAVED_CONFIG_FILE, MAX_JSON_CHARS), str(d / SAVED_CONFIG_FILE))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{d}: unreadable {SAVED_CONFIG_FILE} ({one_line(exc)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("mhmoe"), dict):
