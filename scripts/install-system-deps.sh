@@ -4,8 +4,8 @@
 #   wordnet-base            the WordNet validation set
 #   manpages-* and mandoc   the man-page corpora (man-<lang>, manpages) of the multilingual settings
 #   fonts-noto-color-emoji  the emoji image set of the masked multi-modal data
-#   CORPUS_PKGS             the debdocs training corpus (35 documentation packages, ~330 MB to download,
-#                           ~1.6 GB installed; minutes to install, so `make test` (SYSTEM_DEPS=test) leaves
+#   CORPUS_PKGS             the debdocs training corpus (38 documentation packages, ~400 MB to download,
+#                           ~2.8 GB installed; minutes to install, so `make test` (SYSTEM_DEPS=test) leaves
 #                           them out and the tests that need the real corpus skip)
 # Without them everything else works: those validation sets are skipped with a one-line warning, and the
 # corpora that need them raise an error naming the install command.
@@ -26,7 +26,7 @@ CORPUS_PKGS="linux-doc-6.1 perl-doc vim-runtime llvm-14-doc clang-14-doc cmake-d
   debian-policy ghc-doc nodejs-doc postgresql-doc-15 git-doc python-django-doc rust-doc qtbase5-doc-html sqlite3-doc
   erlang-doc racket-doc lilypond-doc-html libreoffice-help-en-us maxima-doc octave-doc apache2-doc gimp-help-en
   zsh-doc postfix-doc bind9-doc wireshark-doc debian-handbook debian-reference-en developers-reference abs-guide
-  debian-edu-doc-en kicad-doc-en"
+  debian-edu-doc-en kicad-doc-en openjdk-17-doc cppreference-doc-en-html ada-reference-manual-2012"
 mode="${SYSTEM_DEPS:-yes}"
 [ "$mode" = no ] && exit 0
 

@@ -39,18 +39,18 @@ def test_says_what_and_why_then_shows_apt_gets_output(tmp_path):
     res = _run(tmp_path, apt=f'echo "$@" >> {log}; echo "Setting up wordnet-base (fake) ..."')
     assert res.returncode == 0
     err = res.stderr
-    assert err.startswith("mhmoe: installing 64 Debian packages with apt-get for the pydocs validation set, WordNet "
+    assert err.startswith("mhmoe: installing 67 Debian packages with apt-get for the pydocs validation set, WordNet "
                           "validation set, man-page corpora, emoji image set, debdocs training corpus (skip with "
                           "SYSTEM_DEPS=no):")
     assert "python3.11-doc" in err and "fonts-noto-color-emoji" in err
     assert "Setting up wordnet-base (fake) ..." in res.stdout  # apt-get's output is shown, not discarded
-    assert "mhmoe: installed the 64 packages" in err
+    assert "mhmoe: installed the 67 packages" in err
     assert log.read_text().startswith("install -y -q --no-install-recommends python3.11-doc wordnet-base")
 
 
 @pytest.mark.parametrize("case, kwargs, needle", [
-    ("no apt-get", {}, "no apt-get on this system: 64 optional Debian packages not installed"),
-    ("not root", {"apt": "exit 99", "uid": 1000}, "not root: 64 optional Debian packages not installed (as root: "
+    ("no apt-get", {}, "no apt-get on this system: 67 optional Debian packages not installed"),
+    ("not root", {"apt": "exit 99", "uid": 1000}, "not root: 67 optional Debian packages not installed (as root: "
                                                    "apt-get install python3.11-doc"),
     ("apt fails", {"apt": "exit 100"}, "apt-get could not install the packages above"),
 ])
@@ -65,7 +65,7 @@ def test_where_apt_cannot_run_one_line_and_success(tmp_path, case, kwargs, needl
 def test_skip_and_check(tmp_path):
     assert _run(tmp_path, apt="exit 99", mode="no").stderr == ""
     res = _run(tmp_path, apt="exit 99", mode="check")
-    assert res.returncode == 0 and res.stderr.startswith("mhmoe: note: 64 optional Debian packages are missing")
+    assert res.returncode == 0 and res.stderr.startswith("mhmoe: note: 67 optional Debian packages are missing")
 
 
 def test_test_mode_leaves_out_the_corpus_packages(tmp_path):

@@ -135,3 +135,22 @@ def test_train_two_steps_from_bundle(bundle, tmp_path):
     run = RunConfig(**{**run.__dict__, "data": _cfg(out)})
     result = train(run, tmp_path / "run", progress=False)
     assert result.step == 2
+
+
+def test_cli_data_bundle(tmp_path, capsys):
+    from helpers import write_corpus
+
+    from mhmoe.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "b"
+    argv = ["data", "bundle", "--corpus", str(corpus), "--out", str(out), "--tokenizer", "byte", "--val-sets",
+            "--seq-len", "16", "--max-train-tokens", "2000", "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    assert main([*argv, "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written["out"] == str(out) and 1000 < written["train"]["n_tokens"] <= 2000
+    assert set(written["files"]) == {"tokenizer/tokenizer_meta.json", "train.u16.xz", "val-corpus.u16.xz"}
+    assert main(argv) == 2  # the directory exists: refused in one line, nothing overwritten
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not an empty directory" in err
+    assert main([*argv[:-1], "--out", str(tmp_path / "x"), "--max-train-tokens", "5"]) == 2

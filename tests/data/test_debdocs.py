@@ -70,3 +70,15 @@ def test_real_packages_if_installed(tmp_path):
         pytest.skip(f"debdocs packages not installed ({len(missing_packages())} missing): make system-deps")
     files = debdocs.source_files(debdocs.SOURCES[0])
     assert files and all("/translations/" not in str(f) for f in files)
+
+
+def test_bpe_trains_on_a_deterministic_sample_of_a_large_split():
+    from mhmoe.data.documents import Document
+    from mhmoe.data.prepare import bpe_training_documents
+
+    docs = [Document(f"d{i}", "x" * (100 + i)) for i in range(50)]
+    assert bpe_training_documents(docs, max_chars=10**6) == docs  # under the budget: the whole split
+    sample = bpe_training_documents(docs, max_chars=1000)
+    assert 0 < sum(len(d.text) for d in sample) <= 1000 and len(sample) >= 7
+    assert [d.id for d in sample] == [d.id for d in docs if d in sample]  # corpus order kept
+    assert bpe_training_documents(list(reversed(docs)), max_chars=1000) == list(reversed(sample))

@@ -7,6 +7,14 @@ import sys
 
 from mhmoe.errors import ConfigError
 
+DEFAULT_VAL_SETS = ("kjv", "pydocs", "wordnet")
+DEFAULT_VAL_TOKENS = 262144
+
+
+def main_bundle_defaults() -> dict:
+    """The DataConfig fields ``mhmoe data bundle`` sets by default (besides the corpus)."""
+    return {"val_sets": DEFAULT_VAL_SETS, "val_tokens": DEFAULT_VAL_TOKENS}
+
 
 def _add_data(sub) -> None:
     p = sub.add_parser("data")
@@ -26,10 +34,10 @@ def _add_data(sub) -> None:
                    "training split that fits)")
     b.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2", "cl100k_base", "byte"], help="tokenizer")
     b.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
-    b.add_argument("--val-sets", nargs="*", default=["kjv", "pydocs", "wordnet"], metavar="NAME",
+    b.add_argument("--val-sets", nargs="*", default=list(DEFAULT_VAL_SETS), metavar="NAME",
                    help="extra validation sets (their held-out split is carried; missing packages are skipped "
                    "with a warning)")
-    b.add_argument("--val-tokens", type=int, default=262144, help="tokens carried per validation set")
+    b.add_argument("--val-tokens", type=int, default=DEFAULT_VAL_TOKENS, help="tokens carried per validation set")
     b.add_argument("--seq-len", type=int, default=256, help="shortest usable split, in tokens minus one")
     b.add_argument("--cache-dir", default="", help="token cache root (default: $MHMOE_CACHE, else ~/.cache/mhmoe)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -2,7 +2,7 @@
 
 :func:`write_bundle` stores what :func:`~mhmoe.data.prepare_data` would give a run: the trained
 tokenizer, the first N training tokens (whole documents), every validation set's held-out tokens and a
-manifest. :func:`prepare_from_bundle` (``DataConfig.bundle``) rebuilds a :class:`PreparedData` from the
+manifest. :func:`read_bundle` (``DataConfig.bundle``, through ``prepare_data``) reads it back, from the
 bundle alone. Layout of ``DIR``::
 
     manifest.json              format, corpus, data settings, tokenizer fingerprint, token counts, files
@@ -44,7 +44,7 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_CHARS = 1 << 20
 MAX_FILE_BYTES = 512 << 20
 MAX_TOKENS = 1 << 30
-DEFAULT_TRAIN_TOKENS = 24_000_000
+DEFAULT_TRAIN_TOKENS = 40_000_000  # all of debdocs' training split (37.4 M bpe tokens, ~26 MiB packed)
 XZ_PRESET = 6
 _READ_CHUNK = 1 << 20
 
@@ -213,12 +213,11 @@ def check_bundle_matches(man: dict[str, Any], cfg: DataConfig, where: str) -> No
                         f"{cfg.vocab_size}")
 
 
-def prepare_from_bundle(cfg: DataConfig, *, seq_len: int, tokenizer: Tokenizer | None = None) -> Any:
-    """A :class:`~mhmoe.data.prepare.PreparedData` from the bundle ``cfg.bundle`` alone (no corpus
-    package needed). Validation sets of ``cfg.val_sets`` the bundle lacks are skipped with a warning;
-    each validation array is cut to ``cfg.val_tokens``."""
-    from mhmoe.data.prepare import PreparedData
-
+def read_bundle(cfg: DataConfig, *, seq_len: int, tokenizer: Tokenizer | None = None
+                ) -> tuple[Tokenizer, np.ndarray, dict[str, np.ndarray], dict[str, Any]]:
+    """``(tokenizer, train tokens, validation arrays, manifest)`` from the bundle ``cfg.bundle`` alone (no
+    corpus package needed; :func:`~mhmoe.data.prepare_data` wraps them). Validation sets of
+    ``cfg.val_sets`` the bundle lacks are skipped with a warning; each is cut to ``cfg.val_tokens``."""
     directory = Path(cfg.bundle).expanduser()
     man = read_manifest(directory)
     check_bundle_matches(man, cfg, str(directory))
@@ -253,4 +252,4 @@ def prepare_from_bundle(cfg: DataConfig, *, seq_len: int, tokenizer: Tokenizer |
                 "train": {**man["train"], "path": str(directory / man["train"]["file"])},
                 "val": {k: {**man["val"][k], "n_tokens": int(len(v))} for k, v in val.items()},
                 "skipped_val_sets": skipped, "timings": {}}
-    return PreparedData(tokenizer=tok if tokenizer is None else tokenizer, train=train, val=val, manifest=manifest)
+    return (tok if tokenizer is None else tokenizer), train, val, manifest

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mhmoe.data.debdocs import INSTALL as INSTALL_DEBDOCS
+from mhmoe.data.debdocs import PACKAGES as DEBDOCS_PACKAGES
 from mhmoe.data.debdocs import load_debdocs
 from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, read_text_file
 from mhmoe.data.manpages import ALL_PACKAGES, MAN_LANGUAGES, load_man_language, load_manpages
@@ -242,7 +243,7 @@ REGISTRY = MappingProxyType(
             "wordnet", "WordNet 3.0 glosses", "apt-get install -y wordnet-base", lambda *_: load_wordnet()
         ),
         "debdocs": CorpusSpec(
-            "debdocs", "English documentation of 35 Debian packages (~150 MB of text)", INSTALL_DEBDOCS,
+            "debdocs", f"English documentation of {len(DEBDOCS_PACKAGES)} Debian packages", INSTALL_DEBDOCS,
             lambda cache_dir, progress: load_debdocs(cache_dir=cache_dir, progress=progress),
         ),
         **_manpages_specs(),

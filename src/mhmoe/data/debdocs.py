@@ -143,6 +143,15 @@ SOURCES: tuple[Source, ...] = (
     Source("debian-edu-doc-en", "html", r"\.html$", "", "body", (), "GPL-2+", "Debian Edu manual (English)"),
     Source("kicad-doc-en", "html", r"/en/.*\.html$", "", "body", ("div#toc",), "GPL-3+",
            "KiCad manuals (English)"),
+    Source("openjdk-17-doc", "html", r"/api/.*\.html$",
+           r"(-summary|-tree|-use|index-all|allclasses|allpackages|overview-|serialized-form|deprecated-list|"
+           r"constant-values|/class-use/|/index-files/)", "main",
+           (".sub-nav", ".summary", ".member-summary", ".inheritance", ".type-signature"),
+           "GPL-2 with Classpath exception", "Java SE 17 API specification (class and package pages)"),
+    Source("cppreference-doc-en-html", "html", r"/en/.*\.html$", "", "div#mw-content-text",
+           (".t-navbar", "table.t-dcl-begin"), "CC-BY-SA-3.0 or GFDL", "cppreference C and C++ reference (2017)"),
+    Source("ada-reference-manual-2012", "html", r"/arm2012\.html/.*\.html$", "", "body", ("div.paranum",),
+           "ARM licence (copy and distribute)", "Ada 2012 Reference Manual (not the annotated edition)"),
 )
 PACKAGES: tuple[str, ...] = tuple(s.package for s in SOURCES)
 INSTALL = "apt-get install -y " + " ".join(PACKAGES) + "  (or: make system-deps)"
@@ -328,12 +337,11 @@ def load_debdocs(*, cache_dir: str | os.PathLike[str] = "", progress: bool = Fal
                                      f"({' '.join(missing)}): apt-get install -y {' '.join(missing)} "
                                      f"(or: make system-deps)")
     cache = default_cache_dir(cache_dir) / "corpora" / "debdocs"
-    files = {s.package: source_files(s, info_dir) for s in sources}
-    keys = [_package_key(s, files[s.package]) for s in sources]
-    final = cache / f"debdocs-{hashlib.sha256(' '.join(keys).encode()).hexdigest()[:16]}.jsonl.gz"
+    final = _final_path(cache_dir, info_dir, sources)
     rows = read_cache(final)
     if rows is None:
-        rows = _build(sources, cache, info_dir, sum(map(len, files.values())), progress, workers)
+        n_files = sum(len(source_files(s, info_dir)) for s in sources)
+        rows = _build(sources, cache, info_dir, n_files, progress, workers)
         write_cache(final, rows, cache.parent.parent)
     docs = tuple(Document(str(r["id"]), str(r["text"])) for r in rows if "id" in r)
     if not docs:
@@ -359,11 +367,20 @@ def _build(sources: Sequence[Source], cache: Path, info_dir: Path | None, n_file
     return [*kept, {"report": report}]
 
 
+def _final_path(cache_dir: str | os.PathLike[str], info_dir: Path | None, sources: Sequence[Source]) -> Path:
+    cache = default_cache_dir(cache_dir) / "corpora" / "debdocs"
+    keys = [_package_key(s, source_files(s, info_dir)) for s in sources]
+    return cache / f"debdocs-{hashlib.sha256(' '.join(keys).encode()).hexdigest()[:16]}.jsonl.gz"
+
+
+def cached_rows(cache_dir: str | os.PathLike[str] = "", info_dir: Path | None = None,
+                sources: Sequence[Source] | None = None) -> list[dict]:
+    """The cached cleaned corpus as rows: documents ``{id, text, code, dropped_code}`` (``code``: characters
+    of kept code blocks) and a last ``{report}`` row of what the clean-up removed per package ([] if not built)."""
+    return read_cache(_final_path(cache_dir, info_dir, SOURCES if sources is None else sources)) or []
+
+
 def corpus_report(cache_dir: str | os.PathLike[str] = "", info_dir: Path | None = None,
                   sources: Sequence[Source] | None = None) -> dict:
     """What the clean-up removed per package (from the cached corpus; {} if not built)."""
-    sources = SOURCES if sources is None else sources
-    cache = default_cache_dir(cache_dir) / "corpora" / "debdocs"
-    keys = [_package_key(s, source_files(s, info_dir)) for s in sources]
-    rows = read_cache(cache / f"debdocs-{hashlib.sha256(' '.join(keys).encode()).hexdigest()[:16]}.jsonl.gz")
-    return next((r["report"] for r in rows or [] if "report" in r), {})
+    return next((r["report"] for r in cached_rows(cache_dir, info_dir, sources) if "report" in r), {})

@@ -110,9 +110,10 @@ def prepare_data(
     if cfg.val_tokens < seq_len + 1:
         raise ConfigError("data.val_tokens", cfg.val_tokens, f"integer >= seq_len+1 = {seq_len + 1}")
     if cfg.bundle:
-        from mhmoe.data.bundle import prepare_from_bundle
+        from mhmoe.data.bundle import read_bundle
 
-        return prepare_from_bundle(cfg, seq_len=seq_len, tokenizer=tokenizer)
+        tok, train_tokens_, val, manifest = read_bundle(cfg, seq_len=seq_len, tokenizer=tokenizer)
+        return PreparedData(tokenizer=tok, train=train_tokens_, val=val, manifest=manifest)
     cache = usable_cache_dir(cfg.cache_dir)  # a cache_dir that cannot be created: one line naming it, at once
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus, jsonl_field=cfg.jsonl_field, cache_dir=cfg.cache_dir, progress=progress)
