@@ -101,14 +101,15 @@ class Planned:
 def _resolver(name: str, built: dict[str, RunConfig],
               overrides: list[str]) -> Callable[[str, int | None, int], RunConfig]:
     """``resolve(label, tokens, k)``: the row's run at ``tokens`` per run (None: its preset's steps), seed k;
-    the suite's evaluations per run set ``train.eval_every`` unless an override does."""
+    ``train.eval_every`` = ceil(steps / the suite's evaluations per run), so a run evaluates at most that
+    many times, the final evaluation included (unless an override sets it)."""
     points = suite_settings(name).curve_points
 
     def resolve(label: str, tokens: int | None, k: int = 0) -> RunConfig:
         base = built[label]
         resolved = base.with_overrides(overrides)
         steps = max(1, tokens // resolved.train.tokens_per_step) if tokens else resolved.train.max_steps
-        sets = [f"train.eval_every={max(1, steps // points)}", f"train.max_steps={steps}"]
+        sets = [f"train.eval_every={-(-steps // points)}", f"train.max_steps={steps}"]
         return base.with_overrides(sets + overrides + [f"train.seed={base.train.seed + k}"])
     return resolve
 

@@ -306,9 +306,9 @@ SUITES["decisive-pilot"] = [row for row in SUITES["decisive"] if row.label != "D
 class SuiteSettings:
     """How a suite is run and read. ``primary``: its primary comparisons, pairs of row labels ``(a, b)``
     reported as ``a - b``; rows in a primary pair get ``primary_seeds`` seeds by default, the others
-    ``other_seeds``. ``curve_points``: evaluations per run for the curves (``train.eval_every`` = steps /
-    curve_points unless set). ``max_epochs``: runs past this many epochs of the training corpus are
-    refused (None: only the 2-epoch warning)."""
+    ``other_seeds``. ``curve_points``: at most this many evaluations per run, the final one included, for the
+    curves (``train.eval_every`` = steps / curve_points rounded up, unless set). ``max_epochs``: runs past
+    this many epochs of the training corpus are refused (None: only the 2-epoch warning)."""
 
     primary: tuple[tuple[str, str], ...] = ()
     primary_seeds: int = 5
