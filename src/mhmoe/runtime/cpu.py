@@ -11,10 +11,17 @@ matmul ran ~100x slower than float32 and an SMoE layer forward ~150x slower.
 (macOS) and otherwise says it does not know (None); torch has no public query for it.
 :func:`bf16_warning` is the one-line warning the ``mhmoe`` command prints for ``train`` / ``eval`` /
 ``bench`` when bf16 is chosen on such a CPU.
+
+:func:`cpu_isa` names the widest x86 matrix ISA that PyTorch's CPU kernels (oneDNN, MKL) can use here --
+``amx``, ``avx512_bf16``, ``avx512``, ``avx2`` or ``other`` -- capped by ``ONEDNN_MAX_CPU_ISA`` when that is
+set (oneDNN then does not go beyond it): the key of the CPU dispatch table
+(:mod:`mhmoe.moe.dispatch.cpu_table`).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import platform
 import subprocess
 import sys
@@ -22,6 +29,14 @@ from pathlib import Path
 
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo "flags" (x86)
 ARM_BF16_FLAGS = ("bf16",)  # /proc/cpuinfo "Features" (aarch64, ARMv8.6 FEAT_BF16)
+ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "other")  # widest first
+ISA_NAMES = {"amx": "AMX", "avx512_bf16": "AVX-512 BF16", "avx512": "AVX-512", "avx2": "AVX2", "other": "other"}
+# ONEDNN_MAX_CPU_ISA values (oneDNN's names, upper-case) -> the widest of our ISAs they allow
+_ONEDNN_CAPS = {"AVX2": "avx2", "AVX2_VNNI": "avx2", "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512",
+                "AVX512_CORE_VNNI": "avx512", "AVX512_CORE_BF16": "avx512_bf16", "AVX10_1_512": "avx512_bf16",
+                "AVX512_CORE_FP16": "avx512_bf16", "AVX10_1_512_AMX": "amx", "AVX512_CORE_AMX": "amx",
+                "AVX10_1_512_AMX_FP16": "amx", "AVX512_CORE_AMX_FP16": "amx", "AVX10_2_512_AMX_2": "amx",
+                "DEFAULT": "amx", "ALL": "amx"}
 SLOWDOWN = "~100x"  # bf16 matmul vs float32 without native bf16 (benchmarks/results/cpu_bf16_avx2.json)
 
 
@@ -59,6 +74,35 @@ def native_bf16(flags: frozenset[str] | None = None, machine: str | None = None)
     if machine in ("aarch64", "arm64"):
         return any(f in flags for f in ARM_BF16_FLAGS)
     return None
+
+
+def cpu_isa(flags: frozenset[str] | None = None, machine: str | None = None, env: str | None = None) -> str:
+    """The widest matrix ISA of this x86 CPU: ``amx`` (``amx_bf16`` + ``amx_tile``), ``avx512_bf16``,
+    ``avx512`` (``avx512f`` + ``avx512bw``), ``avx2`` (+ ``fma``) or ``other`` (not x86, or unknown), lowered to
+    ``ONEDNN_MAX_CPU_ISA`` (``env``, default the environment's) when that names a narrower one.
+
+    ``flags`` / ``machine`` default to this machine's (``/proc/cpuinfo``, :func:`platform.machine`)."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64"):
+        return "other"
+    flags = _this_cpu_flags() if flags is None else flags
+    if {"amx_bf16", "amx_tile"} <= flags:
+        isa = "amx"
+    elif {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        isa = "avx512_bf16"
+    elif {"avx512f", "avx512bw"} <= flags:
+        isa = "avx512"
+    elif {"avx2", "fma"} <= flags:
+        isa = "avx2"
+    else:
+        return "other"
+    cap = _ONEDNN_CAPS.get((os.environ.get("ONEDNN_MAX_CPU_ISA", "") if env is None else env).strip().upper())
+    return max(isa, cap, key=ISAS.index) if cap else isa  # the narrower of the two (later in ISAS)
+
+
+@functools.cache
+def _this_cpu_flags() -> frozenset[str]:
+    return cpu_info()[1]
 
 
 def _darwin_bf16() -> bool | None:

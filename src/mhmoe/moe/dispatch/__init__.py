@@ -29,9 +29,11 @@ Execution paths over the same :class:`~mhmoe.moe.routers.RouterOutput` (``MoECon
   capability 9.x/10.x) with 16-byte aligned row strides (D_in and F multiples of 8); everywhere else
   (fp32, pre-Hopper GPUs, unaligned widths) its fallback copies the offsets to the host and loops over
   the experts, so ``auto`` runs ``triton`` instead, or ``padded`` (one host sync, batched GEMMs) where
-  Triton cannot run (not installed, fp16, biased or quantized experts). On CPU ``fused`` (``sorted``
-  for thin, wide experts -- :func:`thin_wide` -- and for those ``fused`` does not cover: biases,
-  quantization).
+  Triton cannot run (not installed, fp16, biased or quantized experts). On CPU the path, its row alignment
+  and when to batch the experts' GEMMs come from the CPU dispatch table
+  (:mod:`mhmoe.moe.dispatch.cpu_table`, per ISA, compute dtype and shape class, built from measurements);
+  ``sorted`` for experts ``fused`` does not cover (biases, quantization). On CPU ``padded`` runs the
+  ``fused`` function with every expert padded to the largest (one ``bmm`` per matrix).
   ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
   the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.runtime.cpu_malloc`) it was slower than
   ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
@@ -48,6 +50,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mhmoe.config.moe import Impl
+from mhmoe.moe.dispatch.cpu_table import TABLE, dtype_key, shape_class
+from mhmoe.moe.dispatch.cpu_table import THIN_WIDTH as THIN_WIDTH  # re-exported
+from mhmoe.moe.dispatch.cpu_table import WIDE_HIDDEN as WIDE_HIDDEN
 from mhmoe.moe.dispatch.fused import chunked_moe, fused_moe
 from mhmoe.moe.dispatch.grouped import grouped_moe
 from mhmoe.moe.dispatch.padded import padded_moe
@@ -57,19 +63,13 @@ from mhmoe.moe.dispatch.triton import triton_moe, triton_supported
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.reference import loop_moe
 from mhmoe.moe.routers import RouterOutput
+from mhmoe.runtime.cpu import cpu_isa
 
 DispatchFn = Callable[[Tensor, RouterOutput, GroupedExperts], Tensor]
 
-# impl="auto" on CPU: fused, except for thin, wide experts -- d_in < THIN_WIDTH and F >= WIDE_HIDDEN
-# (MH-MoE with many heads at parameter parity: d_in 16-96, F in the thousands). Those are bound by
-# element-wise work on the [N, F] hidden tensors, where sorted's stored activations need fewer passes
-# than fused's recompute (benchmarks/thin_experts.py; docs/PERFORMANCE.md, "Thin experts").
-THIN_WIDTH, WIDE_HIDDEN = 128, 1024
-
-
 def thin_wide(experts: GroupedExperts) -> bool:
-    """Experts that ``impl="auto"`` runs with ``sorted`` rather than ``fused`` on CPU."""
-    return experts.d_in < THIN_WIDTH and experts.d_hidden >= WIDE_HIDDEN
+    """Thin, wide experts (d_in < THIN_WIDTH, F >= WIDE_HIDDEN): the ``thin_wide`` class of the CPU table."""
+    return shape_class(experts) == "thin_wide"
 
 
 GROUPED_MM_FAST_MAJORS = (9, 10)  # torch._grouped_mm's CUTLASS kernels: sm90 (Hopper), sm100 (Blackwell)
@@ -79,14 +79,18 @@ IMPL_FNS: dict[str, DispatchFn] = {"loop": loop_moe, "grouped_mm": grouped_moe, 
 
 
 def auto_impl(device: str, dtype: torch.dtype, aligned: bool, *, capability: tuple[int, int] | None = None,
-              triton: bool = False, fused_ok: bool = True, thin: bool = False) -> str:
+              triton: bool = False, fused_ok: bool = True, thin: bool = False, isa: str | None = None,
+              shape: str | None = None) -> str:
     """The path ``impl="auto"`` runs, from the facts that decide it (a pure function, unit-tested over
     every combination).
 
     device: "cuda" | "cpu" (anything else is treated like the CPU); dtype: the compute dtype (autocast's
     when on); aligned: every GEMM operand's row stride is a multiple of 16 bytes in that dtype;
     capability: the CUDA device's (major, minor); triton: :func:`~mhmoe.moe.dispatch.triton.triton_supported`
-    for these experts and inputs; fused_ok: bias-free, unquantized experts; thin: :func:`thin_wide`.
+    for these experts and inputs; fused_ok: bias-free, unquantized experts; thin: :func:`thin_wide`; on CPU:
+    isa (:func:`mhmoe.runtime.cpu.cpu_isa`, None: this CPU's) and shape
+    (:func:`~mhmoe.moe.dispatch.cpu_table.shape_class`, None: ``thin_wide`` if thin else ``few``) pick the
+    entry of the CPU table.
     """
     if device == "cuda":
         fast_grouped = (dtype == torch.bfloat16 and aligned and capability is not None
@@ -94,7 +98,9 @@ def auto_impl(device: str, dtype: torch.dtype, aligned: bool, *, capability: tup
         if fast_grouped:
             return "grouped_mm"  # CUTLASS grouped GEMM, device-side offsets: no host sync
         return "triton" if triton else "padded"
-    return "fused" if fused_ok and not thin else "sorted"
+    if not fused_ok:
+        return "sorted"
+    return TABLE[(isa or cpu_isa(), dtype_key(dtype), shape or ("thin_wide" if thin else "few"))].impl
 
 
 def gemm_aligned(dtype: torch.dtype, experts: GroupedExperts) -> bool:
@@ -103,7 +109,7 @@ def gemm_aligned(dtype: torch.dtype, experts: GroupedExperts) -> bool:
     return all((n * item) % 16 == 0 for n in (experts.d_in, experts.d_hidden))
 
 
-def resolve_impl(impl: str, x: Tensor, experts: GroupedExperts) -> str:
+def resolve_impl(impl: Impl, x: Tensor, experts: GroupedExperts) -> str:
     """The name of the path that runs ``impl`` for x and ``experts`` (``auto`` resolved, fallbacks applied).
 
     ``fused``/``chunked``/``triton`` have a hand-written backward without biases, activation quantization or
@@ -117,9 +123,10 @@ def resolve_impl(impl: str, x: Tensor, experts: GroupedExperts) -> str:
     dt = compute_dtype(x)
     cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
     return auto_impl(x.device.type, dt, gemm_aligned(dt, experts), capability=cap,
-                     triton=x.is_cuda and triton_supported(x, experts), fused_ok=fused_ok, thin=thin_wide(experts))
+                     triton=x.is_cuda and triton_supported(x, experts), fused_ok=fused_ok, thin=thin_wide(experts),
+                     shape=shape_class(experts))
 
 
-def choose_impl(impl: str, x: Tensor, experts: GroupedExperts) -> DispatchFn:
+def choose_impl(impl: Impl, x: Tensor, experts: GroupedExperts) -> DispatchFn:
     """The dispatch function for ``impl`` (``auto`` resolves by device, dtype and alignment: :func:`resolve_impl`)."""
     return IMPL_FNS[resolve_impl(impl, x, experts)]

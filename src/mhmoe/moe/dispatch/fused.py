@@ -35,7 +35,6 @@ Correctness: tested against the per-expert loop oracle (outputs and all gradient
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from mhmoe.moe.capacity import expert_counts
+from mhmoe.moe.dispatch.cpu_table import cpu_choice
+from mhmoe.moe.dispatch.layout import RowLayout, row_layout
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -132,19 +132,24 @@ def _zero_empty(counts: list[int], *grads: Tensor | None) -> None:
 
 
 class _FusedMoE(torch.autograd.Function):
+    """Rows in a :class:`~mhmoe.moe.dispatch.layout.RowLayout` buffer; experts' GEMMs per block (a loop, maybe
+    over expert threads) or, for a batched layout, as one ``bmm`` per matrix over [E, C, ·]."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, order: Tensor,
-                inv: Tensor, counts: list[int], chunk: int, workers: int) -> Tensor:
+    def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, layout: RowLayout,
+                chunk: int, workers: int) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
-        N = sum(counts)
-        tok = torch.div(order[:N], K, rounding_mode="floor")
-        xs = x.index_select(0, tok)  # [N, D] gather
-        store = chunk == 0
-        h1 = x.new_empty(N, Fh) if store else None
-        h3 = x.new_empty(N, Fh) if store and w3 is not None else None
-        ys = x.new_empty(S * K, D)
-        ys[N:].zero_()  # invalid slots (padding, drops) contribute nothing
+        R = layout.rows
+        xs = x.index_select(0, layout.tok)  # [R, D] gather
+        if layout.pad.numel():
+            xs.index_fill_(0, layout.pad, 0)
+        store = chunk == 0 or layout.batched
+        h1 = x.new_empty(R, Fh) if store else None
+        h3 = x.new_empty(R, Fh) if store and w3 is not None else None
+        ys = x.new_empty(R + 1, D)
+        ys[R].zero_()  # the row invalid slots (padding, drops) read: they contribute nothing
+
         def block(e: int, r: slice) -> None:
             a1, a3 = _up(xs[r], w1[e], w3[e] if w3 is not None else None,
                          h1[r] if store else None, h3[r] if h3 is not None else None)
@@ -154,64 +159,120 @@ class _FusedMoE(torch.autograd.Function):
                 a = F.silu(a1).mul_(a3)
             torch.mm(a, w2[e], out=ys[r])
 
-        _run_blocks(_blocks(counts, chunk), block, workers)
+        if layout.batched:
+            _batched_forward(xs, w1, w2, w3, h1, h3, ys[:R])
+        else:
+            _run_blocks(_blocks(layout.sizes, chunk), block, workers)
         # out[s] = sum_k w[s,k] ys[inv[s,k]]: gather and weighted sum over the K slots in one kernel
-        out = F.embedding_bag(inv.view(S, K), ys, mode="sum", per_sample_weights=weights)
-        ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3, order, inv)
-        ctx.counts, ctx.chunk, ctx.workers = counts, chunk, workers
+        out = F.embedding_bag(layout.inv.view(S, K), ys, mode="sum", per_sample_weights=weights)
+        ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3)
+        ctx.layout, ctx.chunk, ctx.workers = layout, chunk, workers
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        xs, h1, h3, ys, weights, w1, w2, w3, order, inv = ctx.saved_tensors
-        counts, chunk = ctx.counts, ctx.chunk
+        xs, h1, h3, ys, weights, w1, w2, w3 = ctx.saved_tensors
+        layout, chunk = ctx.layout, ctx.chunk
         S, K = weights.shape
-        D = w1.shape[1]
-        N = sum(counts)
-        sorted_slots = order[:N]
-        tok = torch.div(sorted_slots, K, rounding_mode="floor")
-        g = dout.contiguous().index_select(0, tok)  # [N, D]: dout of each row's token (private, scaled in place)
-        w_rows = weights.reshape(-1).index_select(0, sorted_slots).unsqueeze(1)  # [N, 1]
-        dw_rows = weights.new_zeros(S * K)  # d w per sorted row; rows >= N (invalid slots) stay 0
-        gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
-        gw3 = torch.empty_like(w3) if w3 is not None else None
-        _zero_empty(counts, gw1, gw2, gw3)
-        starts = [0, *itertools.accumulate(counts[:-1])]  # first sorted row of every expert
+        D, R = w1.shape[1], layout.rows
+        g = dout.contiguous().index_select(0, layout.tok)  # [R, D]: dout of each row's token
+        if layout.pad.numel():
+            g.index_fill_(0, layout.pad, 0)  # padding rows: zero output gradient, so zero weight gradients
+        dw_rows = weights.new_zeros(R + 1)  # d w per row; row R (invalid slots) stays 0
+        torch.sum(ys[:R] * g, 1, out=dw_rows[:R])  # d w[slot] = <y_slot, dout[token]>
+        g.mul_(weights.reshape(-1).index_select(0, layout.slot).unsqueeze(1))  # d y_slot = w[slot] * dout[token]
         need_dx = ctx.needs_input_grad[0]  # False e.g. for a first layer fed by a frozen input
-        dxs = xs.new_empty(S * K, D) if need_dx else None
+        dxs = xs.new_empty(R + 1, D) if need_dx else None
         if need_dx:
-            dxs[N:].zero_()
-        def block(e: int, r: slice) -> None:
-            first = r.start == starts[e]
-            x_, dy = xs[r], g[r]
-            torch.sum(ys[r] * dy, 1, out=dw_rows[r])  # d w[slot] = <y_slot, dout[token]>
-            dy.mul_(w_rows[r])  # d y_slot = w[slot] * dout[token]
-            if chunk:  # recompute the up-projections of this chunk (private buffers)
-                a1, a3 = _up(x_, w1[e], w3[e] if w3 is not None else None)
-            else:
-                a1, a3 = h1[r], h3[r] if h3 is not None else None
-            da = torch.mm(dy, w2[e].t())
-            if a3 is not None:
-                act = F.silu(a1)
-                dh3 = da * act
-                _wgrad(gw2[e], act.mul_(a3).t(), dy, first)  # the activation W2 saw: silu(h1) * h3
-                dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(a3), a1, grad_input=da)
-                _wgrad(gw3[e], x_.t(), dh3, first)
-                if need_dx:
-                    torch.mm(dh3, w3[e].t(), out=dxs[r])
-                    dxs[r].addmm_(dh1, w1[e].t())
-            else:
-                _wgrad(gw2[e], F.relu(a1).t(), dy, first)
-                dh1 = torch.ops.aten.threshold_backward(da, a1, 0)
-                if need_dx:
-                    torch.mm(dh1, w1[e].t(), out=dxs[r])
-            _wgrad(gw1[e], x_.t(), dh1, first)
+            dxs[R].zero_()
+        if layout.batched:
+            gw1, gw2, gw3 = _batched_backward(xs, h1, h3, g, w1, w2, w3, dxs[:R] if need_dx else None)
+        else:
+            gw1, gw2, gw3 = _blocks_backward(xs, h1, h3, g, w1, w2, w3, dxs, layout, chunk, ctx.workers)
+        dweights = dw_rows.index_select(0, layout.inv).view(S, K)
+        # dx[s] = sum_k dxs[row of slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
+        dx = F.embedding_bag(layout.inv.view(S, K), dxs, mode="sum") if need_dx else None
+        return dx, dweights, gw1, gw2, gw3, None, None, None
 
-        _run_blocks(_blocks(counts, chunk), block, ctx.workers)
-        dweights = dw_rows.index_select(0, inv).view(S, K)
-        # dx[s] = sum_k dxs[slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
-        dx = F.embedding_bag(inv.view(S, K), dxs, mode="sum") if need_dx else None
-        return dx, dweights, gw1, gw2, gw3, None, None, None, None, None
+
+def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tensor, w1: Tensor, w2: Tensor,
+                     w3: Tensor | None, dxs: Tensor | None, layout: RowLayout, chunk: int,
+                     workers: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The backward of the per-block forward from the rows' output gradients ``dy`` [R, D]: the weight gradients
+    (returned) and the rows' input gradients ``dxs`` [R, D] (written in place)."""
+    gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
+    gw3 = torch.empty_like(w3) if w3 is not None else None
+    _zero_empty(layout.sizes, gw1, gw2, gw3)
+
+    def block(e: int, r: slice) -> None:
+        first = r.start == layout.starts[e]
+        x_, dy_ = xs[r], dy[r]
+        if chunk:  # recompute the up-projections of this chunk (private buffers)
+            a1, a3 = _up(x_, w1[e], w3[e] if w3 is not None else None)
+        else:
+            a1, a3 = h1[r], h3[r] if h3 is not None else None
+        da = torch.mm(dy_, w2[e].t())
+        if a3 is not None:
+            act = F.silu(a1)
+            dh3 = da * act
+            _wgrad(gw2[e], act.mul_(a3).t(), dy_, first)  # the activation W2 saw: silu(h1) * h3
+            dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(a3), a1, grad_input=da)
+            _wgrad(gw3[e], x_.t(), dh3, first)
+            if dxs is not None:
+                torch.mm(dh3, w3[e].t(), out=dxs[r])
+                dxs[r].addmm_(dh1, w1[e].t())
+        else:
+            _wgrad(gw2[e], F.relu(a1).t(), dy_, first)
+            dh1 = torch.ops.aten.threshold_backward(da, a1, 0)
+            if dxs is not None:
+                torch.mm(dh1, w1[e].t(), out=dxs[r])
+        _wgrad(gw1[e], x_.t(), dh1, first)
+
+    _run_blocks(_blocks(layout.sizes, chunk), block, workers)
+    return gw1, gw2, gw3
+
+
+def _batched_forward(xs: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, h1: Tensor, h3: Tensor | None,
+                     ys: Tensor) -> None:
+    """All experts at once on equal blocks: xs [E*C, D] -> h1, h3 [E*C, F] and ys [E*C, D] (written in place)."""
+    E, D, Fh = w1.shape
+    C = xs.shape[0] // E if E else 0
+    xb = xs.view(E, C, D)
+    torch.bmm(xb, w1, out=h1.view(E, C, Fh))
+    if w3 is None:
+        a = F.relu(h1)
+    else:
+        torch.bmm(xb, w3, out=h3.view(E, C, Fh))
+        a = F.silu(h1).mul_(h3)
+    torch.bmm(a.view(E, C, Fh), w2, out=ys.view(E, C, D))
+
+
+def _batched_backward(xs: Tensor, h1: Tensor, h3: Tensor | None, g: Tensor, w1: Tensor, w2: Tensor,
+                      w3: Tensor | None, dxs: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Backward of :func:`_batched_forward` from the rows' output gradients ``g`` [E*C, D]: the weight gradients
+    [E, ...] (returned) and the rows' input gradients ``dxs`` [E*C, D] (written in place)."""
+    E, D, Fh = w1.shape
+    C = xs.shape[0] // E if E else 0
+    dy = g.view(E, C, D)
+    xt = xs.view(E, C, D).transpose(1, 2)
+    da = torch.bmm(dy, w2.transpose(1, 2)).view(-1, Fh)  # [E*C, F]
+    gw3 = None
+    if h3 is not None:
+        act = F.silu(h1)
+        dh3 = da * act
+        gw2 = torch.bmm(act.mul_(h3).view(E, C, Fh).transpose(1, 2), dy)
+        dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(h3), h1, grad_input=da)
+        gw3 = torch.bmm(xt, dh3.view(E, C, Fh))
+    else:
+        gw2 = torch.bmm(F.relu(h1).view(E, C, Fh).transpose(1, 2), dy)
+        dh1 = torch.ops.aten.threshold_backward(da, h1, 0)
+    gw1 = torch.bmm(xt, dh1.view(E, C, Fh))
+    if dxs is not None:
+        dxb = dxs.view(E, C, D)
+        torch.bmm(dh1.view(E, C, Fh), w1.transpose(1, 2), out=dxb)
+        if h3 is not None:
+            dxb.baddbmm_(dh3.view(E, C, Fh), w3.transpose(1, 2))
+    return gw1, gw2, gw3
 
 
 def expert_workers(counts: list[int], device: torch.device) -> int:
@@ -226,36 +287,40 @@ def expert_workers(counts: list[int], device: torch.device) -> int:
 
 
 def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: int = 0,
-              workers: int | None = None) -> Tensor:
+              workers: int | None = None, align: int | None = None, max_batch_padding: float | None = None) -> Tensor:
     """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D].
 
     ``chunk`` > 0 gives the ``chunked`` variant: rows in chunks of ``chunk``, hidden recomputed in
     the backward (see the module docstring). ``workers``: CPU threads running whole experts in
     parallel (None = :func:`expert_workers`; 1 = one loop, each GEMM using all intra-op threads).
+    ``align``: every expert's rows padded to a multiple of ``align`` with zero rows (the GEMM shapes repeat from
+    step to step); ``max_batch_padding``: all experts run as one ``bmm`` per matrix, every expert padded to the
+    largest, when that pads at most this fraction of the rows (``inf``: always; negative: never; ``chunk`` and
+    ``workers`` then do not apply): :mod:`mhmoe.moe.dispatch.layout`. None: the CPU dispatch table's values
+    (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere.
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
     activation quantization or sub-norms): :func:`mhmoe.moe.dispatch.choose_impl` runs ``sorted`` for them.
     """
     if experts.quantized or experts.b1 is not None:
         raise ValueError("invalid impl='fused'/'chunked' with biased or quantized experts: allowed sorted | "
                          "grouped_mm | loop (choose_impl falls back to sorted)")
-    S, K = route.experts.shape
-    E = experts.n_experts
-    key = torch.where(route.valid, route.experts, E).reshape(-1)
-    order = torch.argsort(key, stable=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    counts = expert_counts(key, E + 1)[:E].tolist()
-    ws = [experts.w1, experts.w2, experts.w3]
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):  # run in the autocast dtype, autocast off inside
         dtype = torch.get_autocast_dtype(x.device.type)
-    ws = [None if w is None else w.to(dtype) for w in ws]
+    if align is None or max_batch_padding is None:
+        entry = cpu_choice(dtype, experts) if x.device.type == "cpu" else None
+        align = align if align is not None else (entry.align if entry else 1)
+        if max_batch_padding is None:
+            max_batch_padding = entry.max_batch_padding if entry else -1.0
+    layout = row_layout(route.experts, route.valid, experts.n_experts, align, -1.0 if chunk else max_batch_padding)
+    ws = [None if w is None else w.to(dtype) for w in (experts.w1, experts.w2, experts.w3)]
+    if workers is None:
+        workers = 1 if layout.batched else expert_workers(layout.counts, x.device)
     with torch.autocast(x.device.type, enabled=False):
-        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], order, inv, counts, chunk,
-                               expert_workers(counts, x.device) if workers is None else workers)
+        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers)
 
 
-def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, align: int | None = None) -> Tensor:
     """``impl="chunked"``: :func:`fused_moe` with cache-sized row chunks and recompute. x: [S, D] -> [S, D]."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    return fused_moe(x, route, experts, chunk_rows(experts.d_hidden, dtype.itemsize))
+    return fused_moe(x, route, experts, chunk_rows(experts.d_hidden, dtype.itemsize), align=align)

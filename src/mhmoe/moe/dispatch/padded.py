@@ -1,6 +1,7 @@
 """``impl="padded"``: rows placed in per-expert blocks of equal size C = the largest expert's row count
 (zero padding); all experts run as batched GEMMs (``torch.bmm``). One host sync (C); costs E*C/N - 1
-padding work.
+padding work. On CPU (bias-free, unquantized experts) the same layout runs in the fused CPU function
+(:func:`mhmoe.moe.dispatch.fused.fused_moe` with every expert padded to the largest).
 
 Shape legend: S routed (sub-)tokens, K slots per token, E experts, D_in expert width, C rows per block.
 """
@@ -11,12 +12,15 @@ import torch
 from torch import Tensor
 
 from mhmoe.moe.capacity import expert_counts
+from mhmoe.moe.dispatch.fused import fused_moe
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
 
 def padded_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
     """Dropless dispatch on zero-padded per-expert blocks with batched GEMMs. x: [S, D_in] -> [S, D_in]."""
+    if x.device.type == "cpu" and not experts.quantized and experts.b1 is None:
+        return fused_moe(x, route, experts, max_batch_padding=float("inf"))
     S, K = route.experts.shape
     E = experts.n_experts
     key = torch.where(route.valid, route.experts, E).reshape(-1)  # [S*K], E = not dispatched

@@ -1,0 +1,68 @@
+"""The CPU dispatch table: which path ``impl="auto"`` runs on a CPU, per (ISA, compute dtype, shape class).
+
+Keys: the CPU's ISA (:func:`mhmoe.runtime.cpu.cpu_isa`: ``amx``, ``avx512_bf16``, ``avx512``, ``avx2``,
+``other``), the compute dtype (``float32``, ``bfloat16``; float16 uses the float32 entry) and the experts'
+shape class (:func:`shape_class`). A value (:class:`CpuChoice`) names the path and its row layout
+(:mod:`mhmoe.moe.dispatch.layout`): ``align`` rounds every expert's rows up to a multiple of ``align``, and
+``max_batch_padding`` runs all experts as one batched GEMM per matrix whenever padding every expert to the
+largest one adds at most that fraction of rows (decided per call from the row counts; negative: never).
+
+The entries between the ``BEGIN TABLE`` / ``END TABLE`` lines are written by
+``python benchmarks/cpu_dispatch.py --table`` from the measurements in ``benchmarks/results/cpu_dispatch_*.json``
+(each entry names the file it comes from; ``tests/moe/test_cpu_table.py`` rebuilds the table from those files
+and checks it is the one below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mhmoe.moe.experts import GroupedExperts
+from mhmoe.runtime.cpu import ISAS, cpu_isa
+
+THIN_WIDTH, WIDE_HIDDEN = 128, 1024  # thin, wide experts: d_in < THIN_WIDTH and F >= WIDE_HIDDEN
+MANY_EXPERTS = 16  # "many": at least this many experts (enough for one expert thread per core)
+SHAPE_CLASSES = ("few", "many", "thin_wide")
+DTYPES = ("float32", "bfloat16")
+CPU_IMPLS = ("fused", "sorted", "chunked")
+
+
+@dataclass(frozen=True)
+class CpuChoice:
+    """One entry: ``impl`` (fused | sorted | chunked), ``align`` (rows per expert rounded to a multiple of it),
+    ``max_batch_padding`` (batched GEMMs when the padding is at most this fraction; negative: never), ``source``
+    (the measurement file the entry was chosen from)."""
+
+    impl: str
+    align: int
+    max_batch_padding: float
+    source: str
+
+
+def shape_class(experts: GroupedExperts) -> str:
+    """``thin_wide`` (d_in < 128 and F >= 1,024: MH-MoE at parameter parity with many heads), ``many`` (at
+    least 16 experts) or ``few``."""
+    if experts.d_in < THIN_WIDTH and experts.d_hidden >= WIDE_HIDDEN:
+        return "thin_wide"
+    return "many" if experts.n_experts >= MANY_EXPERTS else "few"
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    """The table's dtype key: ``bfloat16`` for bf16, ``float32`` for everything else."""
+    return "bfloat16" if dtype == torch.bfloat16 else "float32"
+
+
+def cpu_choice(dtype: torch.dtype, experts: GroupedExperts, isa: str | None = None) -> CpuChoice:
+    """The table entry for this CPU (``isa``: default :func:`mhmoe.runtime.cpu.cpu_isa`), ``dtype`` and experts."""
+    return TABLE[(isa or cpu_isa(), dtype_key(dtype), shape_class(experts))]
+
+
+# BEGIN TABLE (written by benchmarks/cpu_dispatch.py --table; do not edit by hand)
+TABLE: dict[tuple[str, str, str], CpuChoice] = {
+    (isa, dt, cls): CpuChoice("sorted" if cls == "thin_wide" else "fused", 16 if dt == "bfloat16" else 1,
+                              0.25 if dt == "bfloat16" else -1.0, "provisional")
+    for isa in ISAS for dt in DTYPES for cls in SHAPE_CLASSES
+}
+# END TABLE
