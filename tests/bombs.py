@@ -5,6 +5,7 @@ cannot take the machine down). Used by the tests of every bounded reader and by
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -213,6 +214,28 @@ class Outcome:
 # A small launcher process forks the measured child: a child forked from a large parent (pytest with torch
 # imported) inherits its resident size in ru_maxrss, even across exec; forked from the launcher, the
 # child's peak RSS is its own. The launcher sets the limits in the child and writes its wait4 result.
+# A CUDA build of torch maps ~3 GiB of libraries and keeps ~200 MB more resident than the CPU build at import,
+# without touching a GPU: the limits below are sized for the CPU build, so that excess is added to them.
+TORCH_AS, TORCH_RSS_MB = int(0.7 * 2**30), 320.0  # `import torch, mhmoe.cli` with the CPU build of torch
+_PROBE = ("import resource, torch, mhmoe.cli\n"
+          "vm = next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmSize:'))\n"
+          "print(vm * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+
+
+@functools.cache
+def cuda_torch_excess() -> tuple[int, float]:
+    """(address-space bytes, resident MB) that importing torch and mhmoe takes beyond the CPU build's (0, 0.0
+    with the CPU build; measured once, in a child, with a CUDA build)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return 0, 0.0
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    vm, rss = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300,
+                             check=True).stdout.split()
+    return max(0, int(vm) - TORCH_AS), max(0.0, float(rss) - TORCH_RSS_MB)
+
+
 _LAUNCHER = """
 import json, os, resource, sys
 memory, cpu_s, result = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -230,13 +253,15 @@ with open(result, "w") as f:
 
 def run_limited(code: str, *, memory: int = MEMORY_LIMIT, cpu_s: int = CPU_LIMIT_S, timeout: float = 120,
                 src: Path | None = None, env: dict[str, str] | None = None) -> Outcome:
-    """Run ``code`` (Python) in a child under RLIMIT_AS = ``memory`` and RLIMIT_CPU = ``cpu_s``, with
-    ``src`` (default: this checkout's ``src``) first on the path; its exit, output, peak RSS and wall time."""
+    """Run ``code`` (Python) in a child under RLIMIT_AS = ``memory`` (plus what a CUDA build of torch maps beyond
+    the CPU build: :func:`cuda_torch_excess`) and RLIMIT_CPU = ``cpu_s``, with ``src`` (default: this
+    checkout's ``src``) first on the path; its exit, output, peak RSS and wall time."""
     child_env = {**os.environ, **(env or {}), "PYTHONPATH": str(src or ROOT / "src"), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(memory), str(cpu_s), str(result), code],
+        cap = memory + cuda_torch_excess()[0]
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(cap), str(cpu_s), str(result), code],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env,
                                 start_new_session=True)  # its own process group: a timeout ends both processes
         try:

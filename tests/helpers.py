@@ -4,6 +4,7 @@ the oracle pair for layer tests and tiny training runs on a generated corpus."""
 import copy
 import json
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def oracle_pair(d_model: int, cfg: MoEConfig):
 
 
 DENSE = MoEConfig(kind="dense", d_expert=64)
+# a corpus whose providing package is not installed (CorpusUnavailableError's message: a traceback or the CLI's line)
+MISSING_CORPUS = re.compile(r"(?:corpus '[\w-]+': [^\n]*not installed|image set '[\w-]+' needs [\w-]+): [^\n]*")
 SMOE = MoEConfig(n_experts=4, top_k=1, d_expert=64)
 MHMOE = MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True)
 NOISY_MH = MoEConfig(n_experts=6, top_k=2, d_expert=16, heads=3, head_layer=True, merge_layer=True, router="noisy")

@@ -20,6 +20,7 @@ from bombs import (
     aliased_chunks_metadata,
     colliding_index_keys,
     colliding_int_keys,
+    cuda_torch_excess,
     deep_tuple_key,
     deflated_torch_archive,
     empty_sets,
@@ -34,7 +35,9 @@ from mhmoe.checkpoint.dcp_metadata import METADATA_FILE, read_metadata
 from mhmoe.checkpoint.dcp_reader import read_dcp_full
 from mhmoe.errors import MAX_CHARS, CheckpointError
 
-MAX_RSS_MB = 700  # torch and mhmoe take ~320 MB; every bomb below would need more than 1 GB unbounded
+# torch and mhmoe take ~320 MB (the CPU build of torch; a CUDA build's excess is added); every bomb below would
+# need more than 1 GB unbounded
+MAX_RSS_MB = 700 + cuda_torch_excess()[1]
 
 
 def _read_in_child(paths: list, reader: str = "read_metadata"):

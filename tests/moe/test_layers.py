@@ -16,7 +16,7 @@ def _run(layer, x, mask, seed=0):
     torch.manual_seed(seed)  # noisy router: identical noise in both paths
     x = x.clone().requires_grad_(True)
     out = layer(x, mask)
-    g = torch.randn_like(out.out)
+    g = torch.randn_like(out.out, dtype=torch.float32).to(out.out.dtype)  # the same draw in every dtype
     ((out.out * g).sum() + out.aux_loss).backward()
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     return out, x.grad, grads
