@@ -133,7 +133,7 @@ def test_the_pickle_walk_is_linear_and_fast():
         assert scan_pickle(data) == (0, 4 * n + 8)
         times.append(time.process_time() - t0)
     assert times[1] < 8 * max(times[0], 0.05), times  # linear (4x the opcodes), with room for noise
-    assert times[1] / 2_000_000 < 2.5e-6, times  # about 0.5 us per opcode here
+    assert times[1] / 2_000_000 < 2.5e-6, times  # about 0.15 us of CPU per opcode on an Intel Xeon
 
 
 def test_metadata_bombs_are_refused_within_memory_and_time(tmp_path):
