@@ -233,6 +233,10 @@ def run_capped(name: str, cmd: list[str], cap_s: float, log: Log, env: dict, cwd
         timed_out = True
         log(f"cap of {cap_s:.0f} s reached: stopping the step (SIGTERM, SIGKILL after {grace:g} s)", name)
         _kill(proc, grace)
+    try:  # whatever the step left running in its group (compile workers, say) must not outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     reader.join(5)
     return {"rc": proc.returncode, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1),
             "lines": lines}

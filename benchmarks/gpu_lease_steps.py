@@ -112,7 +112,9 @@ def machine(json_path: str, plan_steps: list[str]) -> int:
                             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
                             "import_s": round(time.perf_counter() - t0, 1)},
                   "checks": {"filelock_4": fl is not None and int(fl.split(".")[0]) >= 4,
-                             "data_bundle": (ROOT / ".lease" / "bundle").is_dir()}}
+                             "data_bundle": (ROOT / ".lease" / "bundle").is_dir(),
+                             "data_bundle_mib": round(sum(p.stat().st_size for p in (ROOT / ".lease").rglob("*")
+                                                          if p.is_file()) / 2**20, 1)}}
     t1 = time.perf_counter()
     info["gpu"] = gpu_info()
     info["torch"]["cuda_init_s"] = round(time.perf_counter() - t1, 1)

@@ -100,7 +100,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
 def warm(json_path: str | None) -> dict:
     """Compile and autotune the Triton path at the benchmark shapes (the parity layers at 16,384 tokens, bf16
     and fp32, forward without autograd and forward + backward; mh3 bf16 also with act_bwd + dx): the first calls,
-    timed. With a shared TRITON_CACHE_DIR (benchmarks/gpu_suite.py) later processes reuse the compiles."""
+    timed. With a shared TRITON_CACHE_DIR (benchmarks/gpu_lease.py sets one) later processes reuse the compiles."""
     from mhmoe.moe.layers import build_ffn_layer
     from mhmoe.research.bench import CONFIGS, D_MODEL
 
