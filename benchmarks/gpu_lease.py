@@ -66,9 +66,10 @@ FALLBACK_S = {"machine": 30, "bench_mh3": 120, "train": 110, "gpu_tests": 120, "
               "science": 120, "gpu_tests_rest": 280, "triton_bench": 120, "bench_fp32": 110}
 DRY_S = {"science": 30}  # dry run: every other step is predicted at DRY_DEFAULT_S
 DRY_DEFAULT_S = 20.0  # tiny shapes take ~5 s of CPU a step; a loaded CI machine may stretch that
-SYNC_TESTS = "never_wait or no_host_sync"
-GPU_TEST_FILES = ["tests/moe/test_cuda_paths.py", "tests/train/test_cuda_training.py",
-                  "tests/moe/test_triton_dispatch.py"]
+SYNC_TESTS = "never_wait or no_host_sync or never_synchronises"
+GPU_TEST_FILES = ["tests/moe/test_cuda_paths.py", "tests/moe/test_triton_dispatch.py",
+                  "tests/moe/test_triton_router.py", "tests/train/test_cuda_training.py",
+                  "tests/train/test_progress.py"]
 
 # ---- THE SCIENCE STEP: the one place to adjust it ---------------------------------------------------------
 SCIENCE_BUNDLE = ".lease/bundle"  # the data bundle the lease carries (git-ignored; absent: the step is skipped)

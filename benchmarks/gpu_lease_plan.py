@@ -45,13 +45,15 @@ def _both(shape: tuple, dtype: str, what: str = "experts") -> list[tuple]:
 
 # tests/moe/test_cuda_paths.py::test_auto_never_waits_for_the_device (aligned: bf16 runs grouped_mm + the router),
 # tests/train/test_cuda_training.py::test_training_steps_never_wait_for_the_device (d_model 48: SMoE 4x64 top-1,
-# MH-MoE 6x16 top-3 h=3; bf16 aligned: grouped_mm), tests/moe/test_triton_dispatch.py::TestCUDA::test_no_host_sync
+# MH-MoE 6x16 top-3 h=3; bf16 aligned: grouped_mm), tests/moe/test_triton_dispatch.py::TestCUDA::test_no_host_sync,
+# tests/moe/test_triton_router.py::test_cuda_at_mh3_size_matches_and_never_synchronises (the router alone)
 _SYNC_TESTS = (_both((768, 2, 8, 64, 128), "fp32") + _both((768, 2, 8, 64, 128), "bf16", "router")
                + _both((512, 2, 8, 75, 100), "fp32") + _both((512, 2, 8, 75, 100), "bf16")
                + [(128, 1, 4, 48, 64, "fp32", "train", "experts"), (384, 3, 6, 16, 16, "fp32", "train", "experts"),
                   (128, 1, 4, 48, 64, "bf16", "train", "router"), (384, 3, 6, 16, 16, "bf16", "train", "router"),
                   (128, 2, 6, 48, 16, "fp32", "train", "experts")]
-               + _both((512, 2, 8, 256, 512), "bf16"))
+               + _both((512, 2, 8, 256, 512), "bf16")
+               + [(*_PAPER_MH3, dt, "train", "router") for dt in ("bf16", "fp32")])
 # the other gpu tests: the oracle tests' four small configs (d=192) in fp32 and bf16, TestCUDA's four shapes
 _REST_TESTS = [w for shape in ((256, 1, 8, 192, 256), (256, 2, 16, 192, 128), (512, 2, 20, 96, 128),
                                (768, 3, 24, 64, 64), (1024, 2, 8, 256, 512), (600, 3, 6, 384, 1024),
