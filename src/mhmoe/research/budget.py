@@ -52,9 +52,9 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
     """What each row's run costs on its device, dtype and threads: ``tokens_per_s`` (the median of
     ``rounds`` training steps timed round-robin after :data:`WARMUP` untimed rounds), ``eval_s`` (one
     evaluation of ``train.eval_batches`` batches per validation set, scaled from
-    :data:`EVAL_SAMPLE_BATCHES` timed ones), ``checkpoint_s`` (one checkpoint save, into a temporary
-    directory under ``scratch``), ``setup_s`` (data and model, data cached) and ``train_tokens`` (the
-    training corpus's tokens; None for a masked multi-modal run)."""
+    :data:`EVAL_SAMPLE_BATCHES` timed ones after an untimed one), ``checkpoint_s`` (one checkpoint save,
+    into a temporary directory under ``scratch``), ``setup_s`` (data and model, data cached) and
+    ``train_tokens`` (the training corpus's tokens; None for a masked multi-modal run)."""
     import torch
 
     from mhmoe.checkpoint.write import save_checkpoint
@@ -81,6 +81,7 @@ def calibrate(runs: dict[str, RunConfig], rounds: int = CALIBRATION_ROUNDS,
             steps[label] = training_step(run, model, objective, device)
             tokens[label] = run.train.batch_size * run.train.seq_len * run.train.grad_accum
             sample = min(EVAL_SAMPLE_BATCHES, run.train.eval_batches)
+            objective.evaluate(model, max_batches=1, device=device, dtype=run.train.dtype)  # untimed: first calls
             _, sample_s = _timed(lambda run=run, model=model, objective=objective, device=device, sample=sample:
                                  objective.evaluate(model, max_batches=sample, device=device, dtype=run.train.dtype))
             full, timed = objective.eval_size(run.train.eval_batches), objective.eval_size(sample)
