@@ -153,7 +153,9 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     for name, size, sha in files:
         f = inside(path, name)
         if not f.is_file():
-            raise CheckpointError(f"{path}: missing {name}")
+            if not os.path.lexists(f):
+                raise CheckpointError(f"{path}: missing {name}")
+            raise CheckpointError(f"{path}: {name} is not a regular file (a FIFO, a device or a directory: never read)")
         if f.stat().st_size != size:
             raise CheckpointError(f"{path}: {name} is truncated ({f.stat().st_size} of {size} bytes)")
         if sha256_file(f) != sha:
