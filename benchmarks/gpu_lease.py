@@ -245,7 +245,7 @@ def run_capped(name: str, cmd: list[str], cap_s: float, log: Log, env: dict, cwd
 
 def cap_for(p: Planned, left: float) -> float:
     """A step's cap: twice its prediction plus a minute (predictions are estimates), never more than is left;
-    the science step (and any step cut short) gets what is left."""
+    the science step gets all that is left."""
     return left if p.takes_rest else min(left, 2 * p.predicted_s + 60)
 
 

@@ -158,6 +158,30 @@ def test_a_filelock_older_than_4_is_replaced_by_the_carried_wheel(tmp_path, monk
     assert "TRITON_INTERPRET" not in env
 
 
+def test_the_traffic_model_predicts_every_gpu_row(monkeypatch):
+    """On an H100 every bench row gets the traffic model's predictions: they run here for every configuration,
+    dtype and pass the lease measures (a CUDA device name is all they read), and an error in them is recorded in
+    the row instead of costing its measurement."""
+    import torch
+
+    from mhmoe.research import bench as B
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(B, "predictions", B.predictions)  # restored after the test
+    S._guard_predictions()
+    for name, cfg in B.CONFIGS.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for pass_ in B.PASSES:
+                hidden = B.aligned_hidden(B.layer_flops(cfg, 16384) / 16384, B.D_MODEL)
+                got = B.predictions(cfg, 16384, dtype, pass_, hidden, torch.device("cuda"))
+                assert "pred_error" not in got and got["pred_ms_triton"] > 0 and got["pred_ms_dense"] > 0, name
+    import mhmoe.research.traffic as traffic
+
+    monkeypatch.setattr(traffic, "layer_prediction", lambda *a, **k: 1 / 0)
+    got = B.predictions(B.CONFIGS["mh3"], 16384, torch.bfloat16, "fwd", 2048, torch.device("cuda"))
+    assert got == {"pred_error": "ZeroDivisionError: division by zero"}
+
+
 def test_pytest_output_without_its_xml_still_counts():
     lines = ["tests/moe/test_cuda_paths.py::test_a[x] PASSED  [ 50%]", "noise",
              "tests/train/test_cuda_training.py::test_b FAILED [100%]"]
