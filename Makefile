@@ -98,6 +98,7 @@ lease-wheels:
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python benchmarks/train_throughput.py

@@ -122,7 +122,7 @@ def _factory_args_ok(func: Any, args: Any) -> bool:
     if type(args) is not tuple:
         return False
     if func is torch.Size:
-        dims = args[0] if len(args) == 1 else None
+        dims: Any = args[0] if len(args) == 1 else None
         return (type(dims) in (tuple, list) and len(dims) <= MAX_DIMS
                 and all(type(x) is int and -(2**63) <= x < 2**63 for x in dims))
     if func in (PurePosixPath, PureWindowsPath):
@@ -131,10 +131,16 @@ def _factory_args_ok(func: Any, args: Any) -> bool:
     return len(args) == 1 and type(args[0]) in (int, str) and len(str(args[0])[:65]) <= 64
 
 
+#: the pure-Python unpickler's opcode methods and stacks (not in its typeshed stub)
+_PyUnpickler: Any = pickle._Unpickler
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be restricted
     """Unpickles a DCP ``Metadata`` and nothing else (see the module docstring)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch = dict(_PyUnpickler.dispatch)
+    stack: list[Any]
+    metastack: list[list[Any]]
 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
@@ -200,14 +206,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         if not _factory_args_ok(func, args):
             self._over(f"{getattr(func, '__name__', 'a factory')} with arguments beyond the limits (at most "
                        f"{MAX_DIMS} sizes, {MAX_PATH_PARTS} path parts of {MAX_PATH_CHARS} characters)")
-        pickle._Unpickler.load_reduce(self)
+        _PyUnpickler.load_reduce(self)
 
     def _load_newobj(self) -> None:
         if id(self.stack[-2]) not in _DATACLASS_IDS:
             self._refuse("NEWOBJ on a non-metadata class")
         if type(self.stack[-1]) is not tuple or len(self.stack[-1]) > MAX_ARGS:
             self._over(f"NEWOBJ with more than {MAX_ARGS} arguments")
-        pickle._Unpickler.load_newobj(self)
+        _PyUnpickler.load_newobj(self)
 
     def _load_newobj_ex(self) -> None:
         if id(self.stack[-3]) not in _DATACLASS_IDS:
@@ -215,7 +221,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         args, kwargs = self.stack[-2], self.stack[-1]
         if type(args) is not tuple or type(kwargs) is not dict or len(args) > MAX_ARGS or len(kwargs) > MAX_ARGS:
             self._over(f"NEWOBJ_EX with more than {MAX_ARGS} arguments")
-        pickle._Unpickler.load_newobj_ex(self)
+        _PyUnpickler.load_newobj_ex(self)
 
     def _load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
@@ -230,7 +236,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
                 type(k) is str and not k.startswith("__") for k in state))
         if not ok or len(state) > MAX_STATE:
             self._refuse(f"BUILD of {type(inst).__name__} with a {type(state).__name__} state")
-        pickle._Unpickler.load_build(self)
+        _PyUnpickler.load_build(self)
         self._track(inst, state if type(state) is tuple else state.values())
 
     def _require(self, obj: Any, kind: type, what: str) -> None:
@@ -242,28 +248,28 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
 
     def _load_append(self) -> None:
         self._require(self.stack[-2], list, "APPEND")
-        pickle._Unpickler.load_append(self)
+        _PyUnpickler.load_append(self)
 
     def _load_appends(self) -> None:
         self._require(self._marked(), list, "APPENDS")
-        pickle._Unpickler.load_appends(self)
+        _PyUnpickler.load_appends(self)
 
     def _load_setitem(self) -> None:
         self._require(self.stack[-3], dict, "SETITEM")
         self._hashable(self.stack[-2:-1], "a dict key")
         self._keys(self.stack[-3], self.stack[-2:-1])
-        pickle._Unpickler.load_setitem(self)
+        _PyUnpickler.load_setitem(self)
 
     def _load_setitems(self) -> None:
         self._require(self._marked(), dict, "SETITEMS")
         self._hashable(self.stack[::2], "a dict key")
         self._keys(self._marked(), self.stack[::2])
-        pickle._Unpickler.load_setitems(self)
+        _PyUnpickler.load_setitems(self)
 
     def _load_dict(self) -> None:
         self._hashable(self.stack[::2], "a dict key")
         self._keys({}, self.stack[::2])
-        pickle._Unpickler.load_dict(self)
+        _PyUnpickler.load_dict(self)
 
     def _load_set(self) -> None:  # EMPTY_SET, ADDITEMS, FROZENSET: DCP metadata holds no sets
         self._over("a set (DCP metadata holds none)")
@@ -273,16 +279,16 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         self._track(self.stack[-1], self.stack[-1])
 
     def _load_tuple(self) -> None:
-        self._tuple(pickle._Unpickler.load_tuple)
+        self._tuple(_PyUnpickler.load_tuple)
 
     def _load_tuple1(self) -> None:
-        self._tuple(pickle._Unpickler.load_tuple1)
+        self._tuple(_PyUnpickler.load_tuple1)
 
     def _load_tuple2(self) -> None:
-        self._tuple(pickle._Unpickler.load_tuple2)
+        self._tuple(_PyUnpickler.load_tuple2)
 
     def _load_tuple3(self) -> None:
-        self._tuple(pickle._Unpickler.load_tuple3)
+        self._tuple(_PyUnpickler.load_tuple3)
 
     def _load_inst(self) -> None:
         self._refuse("INST")

@@ -149,7 +149,8 @@ class _Collect:
     """The planner side of :func:`read_dcp_full`: full tensors allocated up front, bytes items decoded."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], where: str) -> None:
-        self.tensors, self.values, self.where = tensors, {}, where
+        self.tensors, self.where = tensors, where
+        self.values: dict[str, Any] = {}
 
     def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
         t = self.tensors[req.dest_index.fqn]
@@ -212,8 +213,8 @@ def _check_extents(reader: SafeFileSystemReader, md: Metadata, where: str) -> No
     sizes: dict[str, int] = {}
     used: set[int] = set()  # ids of the storage entries taken
     ranges: dict[str, list[tuple[int, int]]] = {}
-    for fqn, item in md.state_dict_metadata.items():
-        if type(item) is BytesStorageMetadata:
+    for fqn, item in md.state_dict_metadata.items():  # each one or the other exactly (check_metadata)
+        if isinstance(item, BytesStorageMetadata):
             chunks: list[tuple[Any, int]] = [(None, 0)]
         else:
             chunks = [(c.offsets, _volume(c.sizes) * item.properties.dtype.itemsize) for c in item.chunks]
@@ -252,7 +253,7 @@ def read_dcp_full(dcp_dir: str | os.PathLike[str], part: str | None = None) -> d
     tensors: dict[str, torch.Tensor] = {}
     items: list[ReadItem] = []
     for fqn, item in wanted.items():
-        if type(item) is BytesStorageMetadata:
+        if isinstance(item, BytesStorageMetadata):  # or a TensorStorageMetadata, exactly (check_metadata)
             zero = torch.Size([0])
             idx = MetadataIndex(fqn)
             items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=zero, storage_index=idx,

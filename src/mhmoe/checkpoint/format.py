@@ -63,7 +63,7 @@ def _one_directory(p: Path) -> bool:
     return is_checkpoint_dir(p) or is_saved_dir(p)
 
 
-def checkpoint_candidates(run_or_ckpt: str | Path) -> list[Path]:
+def checkpoint_candidates(run_or_ckpt: str | os.PathLike[str]) -> list[Path]:
     """The checkpoint directories to try for a run directory, newest first, or ``[path]`` for a checkpoint
     (or saved-model) directory; CheckpointError when there are none."""
     p = Path(run_or_ckpt)
@@ -77,7 +77,7 @@ def checkpoint_candidates(run_or_ckpt: str | Path) -> list[Path]:
     return list(reversed(candidates))
 
 
-def newest_valid(run_or_ckpt: str | Path, load: Callable[[Path], T], warn: bool = True) -> T:
+def newest_valid(run_or_ckpt: str | os.PathLike[str], load: Callable[[Path], T], warn: bool = True) -> T:
     """``load(directory)`` for a checkpoint or saved-model directory, or for a run directory on its newest
     checkpoint that loads: one that raises CheckpointError prints one line to stderr (``warn``) and the
     previous one is tried. The one fallback rule of every loader of run directories (``LM.from_pretrained``,
@@ -137,7 +137,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     no symlink out of it)."""
     meta_path = path / META_FILE
     try:  # a regular file (a FIFO never blocks), its size from fstat before reading it
-        meta = load_json(read_text(meta_path, MAX_JSON_CHARS, what="meta.json"), str(meta_path))
+        meta = load_json(read_text(meta_path, MAX_JSON_CHARS, what=META_FILE), str(meta_path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable meta.json ({one_line(exc, 200)})") from None
     if not isinstance(meta, dict):

@@ -36,7 +36,7 @@ from mhmoe.checkpoint.layout import (
 )
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import CheckpointError, ConfigError, one_line
-from mhmoe.runtime.bounded import open_checked_torch_archive
+from mhmoe.runtime.reading import open_checked_torch_archive
 
 #: torch.load(weights_only=True) had code-execution bugs before this version (CVE-2025-32434 before 2.6,
 #: CVE-2026-24747 before 2.10); trainer_state.pt and DCP items are read with it
@@ -163,15 +163,16 @@ def read_trainer_state(path: Path, step: int | None = None, for_resume: bool = F
     return check_trainer_state(path, state, state.get("step") if step is None else step, with_optimizer)
 
 
-def check_trainer_state(path: Path, state: Any, step: int, with_optimizer: bool) -> dict[str, Any]:
+def check_trainer_state(path: Path, state: Any, step: int | None, with_optimizer: bool) -> dict[str, Any]:
     """The trainer state of checkpoint ``step`` has what a resume needs, with the right types: counters
     (``step`` equal to the checkpoint's), the LR scheduler at that step, the CPU RNG state and (single-file
     checkpoints) the optimizer state dict. CheckpointError otherwise, so a resume falls back to an older
     checkpoint instead of failing half-way."""
     if not isinstance(state, dict):
         raise _bad(path, f"is a {type(state).__name__}, not a dict")
-    need = {"step": int, "nan_total": int, "tokens_seen": int, "train_s": (int, float), "scheduler": dict,
-            "rng_cpu": torch.Tensor, **({"optimizer": dict} if with_optimizer else {})}
+    need: dict[str, type | tuple[type, ...]] = {
+        "step": int, "nan_total": int, "tokens_seen": int, "train_s": (int, float), "scheduler": dict,
+        "rng_cpu": torch.Tensor, **({"optimizer": dict} if with_optimizer else {})}
     for key, kind in need.items():
         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
             raise _bad(path, f"lacks {key!r} (or it is not a {getattr(kind, '__name__', 'number')})")

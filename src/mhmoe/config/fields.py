@@ -24,7 +24,7 @@ def is_int(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     """An int (not a bool) or a float, finite."""
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @functools.cache
@@ -52,7 +52,8 @@ def check_types(obj: Any, prefix: str) -> None:
     ``int`` (not a bool, within int64), ``float`` (an int or a float, finite), ``bool``, ``str``,
     ``Literal[...]`` (one of its values), each also ``| None`` (None: decided from other fields). Other
     annotations (nested configs, tuples) are left to the class. The error names ``prefix + field``."""
-    types_ = field_types(type(obj))
+    cls: type = obj.__class__
+    types_ = field_types(cls)
     for f in fields(obj):
         tp, optional = types_[f.name]
         v, name = getattr(obj, f.name), prefix + f.name

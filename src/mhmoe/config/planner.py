@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from mhmoe.errors import ConfigError
 
@@ -172,7 +173,7 @@ def plan(d_model: int, d_ff: int, experts: int, top_k: int = 1, ffn: str = "swig
         raise ConfigError("shared", shared, "0, or >= 1 with d_shared >= 1")
     k_h = mh_top_k or (heads if parity == "flops" else top_k)
     mats = mlp_layers * (int(head_layer) + int(merge_layer))
-    common = dict(ffn=ffn, include_router=include_router, shared=shared, d_shared=d_shared)
+    common: dict[str, Any] = dict(ffn=ffn, include_router=include_router, shared=shared, d_shared=d_shared)
     base = count_layer(d_model, d_ff, experts, top_k, heads=1, **common)
 
     def count(f: float, e: float) -> LayerCount:

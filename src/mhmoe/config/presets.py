@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
@@ -36,7 +37,7 @@ from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError, did_you_mean
 
-SCALES = {
+SCALES: dict[str, dict[str, Any]] = {
     # d_model, n_layers, n_heads, d_ff (= 8/3 d, the v2 paper's 2048/768)
     "paper": dict(d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=1024),
     "tiny": dict(d_model=192, n_layers=4, n_heads=6, d_ff=512, max_seq_len=512),
@@ -56,7 +57,7 @@ VARIANTS = ("dense", "smoe", "fgmoe", "mh2", "mh3")
 # higher peak lr than full precision, a two-stage lr (drop at the halfway point) and weight decay
 # 0.1 -> 0 at the halfway point. Peak lr: 2x the scale's full-precision lr; the drop: x0.5.
 BITNET_LR_FACTOR = 2.0
-BITNET_TRAIN = dict(lr_stage2_ratio=0.5, weight_decay=0.1, wd_stage2=0.0)
+BITNET_TRAIN: dict[str, Any] = dict(lr_stage2_ratio=0.5, weight_decay=0.1, wd_stage2=0.0)
 
 
 def variant_plan(d: int, d_ff: int, variant: str) -> Plan | None:
@@ -71,7 +72,7 @@ def variant_plan(d: int, d_ff: int, variant: str) -> Plan | None:
 
 def moe_config(scale: str, variant: str, shared: bool = False) -> MoEConfig:
     d, d_ff = SCALES[scale]["d_model"], SCALES[scale]["d_ff"]
-    extra = dict(n_shared=1, d_shared=d_ff) if shared else {}
+    extra: dict[str, Any] = dict(n_shared=1, d_shared=d_ff) if shared else {}
     if variant == "dense":
         return MoEConfig(kind="dense", d_expert=d_ff)
     if variant == "smoe":
@@ -99,7 +100,8 @@ def icml_moe_config(scale: str, heads: int, experts: int, reading: str = "paper"
     if reading not in ("paper", "code"):
         raise ConfigError("reading", reading, "paper | code")
     d = SCALES[scale]["d_model"]
-    common = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts, router_dim=icml_router_dim(heads))
+    common: dict[str, Any] = dict(router="xmoe", ffn="relu", top_k=2, n_experts=experts,
+                                  router_dim=icml_router_dim(heads))
     if reading == "code":
         common.update(router_dim=16, xmoe_reading="code", expert_bias=True)
     if heads == 1:
@@ -130,7 +132,8 @@ MANPAGES_VAL_SETS = tuple(f"man-{c}" for c in ("en", "de", "fr", "es", "it", "pt
                                                 "ja", "zh"))  # = mhmoe.data.manpages.MANPAGES_VAL_SETS
 # the paper's GPT-4 vocabulary at paper scale; at tiny scale a byte-level BPE trained on the training split
 # (cl100k's 100k-row embedding and LM head would be most of the tiny model's compute; docs/ICML-SETTINGS.md)
-ML_TOKENIZER = {"paper": dict(tokenizer="cl100k_base"), "tiny": dict(tokenizer="bpe", vocab_size=16384)}
+ML_TOKENIZER: dict[str, dict[str, Any]] = {"paper": dict(tokenizer="cl100k_base"),
+                                           "tiny": dict(tokenizer="bpe", vocab_size=16384)}
 ML_VOCAB = {"paper": 100277, "tiny": 16384}
 MM_SEQ_LEN = 64 + 16 + 3  # emoji: 8x8 patches + text_len 16 + [CLS] [SEP] [SEP]
 MM_VOCAB = 257 + 256 + 4  # bytes + EOS, 256 visual codes, [PAD] [MASK] [CLS] [SEP]
@@ -167,7 +170,7 @@ def icml_setting_run(scale: str, setting: str, heads: int, experts: int) -> RunC
 
 
 def _registry() -> dict[str, Callable[[], RunConfig]]:
-    reg: dict[str, Callable[[], RunConfig]] = {}
+    reg: dict[str, Callable[..., RunConfig]] = {}  # lambdas with defaults: called without arguments
     for scale in SCALES:
         for v in VARIANTS:
             reg[f"{scale}-{v}"] = lambda s=scale, v=v: _run(f"{s}-{v}", s, moe_config(s, v))

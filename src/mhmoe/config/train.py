@@ -11,6 +11,8 @@ Schedule = Literal["linear", "cosine", "constant"]
 DType = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 Parallel = Literal["auto", "none", "ddp", "fsdp"]
+ParallelMode = Literal["none", "ddp", "fsdp"]  # train.parallel with auto decided (mhmoe.parallel.launch.parallel_mode)
+DataParallel = Literal["ddp", "fsdp"]  # how mhmoe.parallel.data_parallel.parallelize wraps a model
 SCHEDULES, DTYPES, DEVICES, PARALLEL = (get_args(t) for t in (Schedule, DType, Device, Parallel))
 #: tokens of one micro-batch (batch_size * seq_len): past this, index arithmetic of int32 kernels overflows and
 #: no machine holds the activations; a smaller batch that still does not fit fails with a one-line out-of-memory

@@ -59,6 +59,9 @@ class Encoder(nn.Module):
     """The masked-data encoder. forward(input_ids [B, T], modality, patch_pos, attention_mask, targets,
     loss_mask) -> :class:`EncoderOutput` (see :meth:`forward`)."""
 
+    rope_cos: Tensor  # [max_seq_len, HD/2] buffers (not saved)
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.arch != "encoder":
@@ -86,7 +89,7 @@ class Encoder(nn.Module):
         """The decoder's scheme (:meth:`mhmoe.model.lm.LM.reset_parameters`: N(0, init_std), output
         projections scaled by 1/sqrt(2 L), MH-MoE projections Xavier) and N(0, init_std) for the
         modality and patch-position tables."""
-        LM.reset_parameters(self)  # type: ignore[arg-type]  (same attribute names: embed, lm_head, blocks)
+        LM.reset_parameters(self)  # type: ignore[arg-type]  # the attributes it uses: embed, lm_head, blocks
         for table in (self.modality_embed, self.patch_row, self.patch_col):
             nn.init.normal_(table.weight, std=self.cfg.init_std)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +90,10 @@ class KVCache:
         return 0 if k is None else k.shape[2]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], 2)
-            v = torch.cat([self.v[layer], v], 2)
+        prev_k, prev_v = self.k[layer], self.v[layer]
+        if prev_k is not None and prev_v is not None:
+            k = torch.cat([prev_k, k], 2)
+            v = torch.cat([prev_v, v], 2)
         self.k[layer], self.v[layer] = k, v
         return k, v
 
@@ -200,6 +202,9 @@ class LM(nn.Module, PretrainedMixin):
 
     ``LM.from_pretrained(path)`` / ``model.save_pretrained(dir, tokenizer=...)``: :mod:`mhmoe.model.pretrained`."""
 
+    rope_cos: Tensor  # [max_seq_len, HD/2] buffers (not saved)
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.vocab_size < 1:
@@ -225,7 +230,7 @@ class LM(nn.Module, PretrainedMixin):
         nn.init.normal_(self.embed.weight, std=std)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, std=std)
-        for block in self.blocks:
+        for block in cast("list[Block]", self.blocks):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=out_std)
             for m in block.ffn.modules():
@@ -258,7 +263,7 @@ class LM(nn.Module, PretrainedMixin):
         per optimizer step with the step's summed counts; ``apply`` a 0-dim bool, False = a skipped step)."""
         moe_routers = [m for m in self.modules() if hasattr(m, "update_bias")]
         for router, stats in zip(moe_routers, routing, strict=False):
-            router.update_bias(stats.counts, apply)
+            cast(Any, router).update_bias(stats.counts, apply)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from safetensors.torch import save_file
@@ -176,8 +176,9 @@ class PretrainedMixin:
         """The model stored at ``path`` (saved directory, ``export --hf`` directory, checkpoint directory of
         either format, or run directory: its newest valid checkpoint), in eval mode on ``device``.
         CheckpointError (one line) for anything unloadable."""
-        model = newest_valid(path, lambda d: load_model(pretrained_files(d), cls), warn=warn)  # type: ignore
-        return model.to(device).eval()
+        build = cast(Callable[[ModelConfig], torch.nn.Module], cls)  # the mixin's class is an nn.Module (LM)
+        model = newest_valid(path, lambda d: load_model(pretrained_files(d), build), warn=warn)
+        return cast(M, model.to(device).eval())
 
     def save_pretrained(self, directory: str | os.PathLike[str], tokenizer: Any = None,
                         overwrite: bool = False) -> Path:
@@ -191,7 +192,8 @@ class PretrainedMixin:
             raise CheckpointError(f"{out}: already exists and is not an empty directory (refusing to overwrite; "
                                   "pass overwrite=True to replace it)")
         with staging_dir(out) as tmp:
-            save_file(_weights_for_saving(self, self.cfg), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(_weights_for_saving(cast(torch.nn.Module, self), self.cfg), str(tmp / WEIGHTS_FILE),
+                      metadata={"format": "pt"})
             eos = getattr(tokenizer, "eos_id", None)
             atomic_write(tmp / SAVED_CONFIG_FILE, json.dumps(config_json(self.cfg, eos), indent=2), durable=False)
             if tokenizer is not None:

@@ -9,11 +9,16 @@ Shape legend: S routed (sub-)tokens, K slots per token, E experts.
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 from torch import Tensor
 
 
+@overload
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int: ...
+@overload
+def expert_capacity(n_tokens: Tensor, top_k: int, n_experts: int, capacity_factor: float) -> Tensor: ...
 def expert_capacity(n_tokens: int | Tensor, top_k: int, n_experts: int, capacity_factor: float) -> int | Tensor:
     """GShard capacity: ceil(capacity_factor * n_tokens * top_k / n_experts) slots per expert.
 

@@ -15,6 +15,8 @@ The row-wise ops act on each row alone, so they commute with the gather/sort of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -60,6 +62,14 @@ def ffn_forward(
     return y + b2 if b2 is not None else y
 
 
+def expert_ffn(x: Tensor, params: Sequence[Tensor | None], act_quant: bool = False) -> Tensor:
+    """:func:`ffn_forward` of one expert whose ``params`` are (w1, w2, w3, b1, b2, b3, sub_norm), as
+    :meth:`GroupedExperts.expert_params` gives them per expert (w1 and w2 are never None)."""
+    w1, w2, w3, b1, b2, b3, sub_norm = params
+    assert w1 is not None and w2 is not None
+    return ffn_forward(x, w1, w2, w3, b1, b2, b3, sub_norm, act_quant)
+
+
 class GroupedExperts(nn.Module):
     """E independent FFN experts with stacked weights.
 
@@ -103,14 +113,16 @@ class GroupedExperts(nn.Module):
         """(w1, w2, w3, b1, b2, b3) as every dispatch path must use them: with quantization on, the
         weights are ``weight_quant(w, dims=(1, 2))`` -- ternary x gamma with one gamma per expert
         (STE to the fp32 latent weights); biases stay full precision."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        w1: Tensor = self.w1
+        w2: Tensor = self.w2
+        w3: Tensor | None = self.w3
         if self.quantized and not self.prequantized:
-            q = lambda w: None if w is None else weight_quant(w, (1, 2), self.reduce_gamma)  # noqa: E731
-            w1, w2, w3 = q(w1), q(w2), q(w3)
+            w1, w2 = weight_quant(w1, (1, 2), self.reduce_gamma), weight_quant(w2, (1, 2), self.reduce_gamma)
+            w3 = None if w3 is None else weight_quant(w3, (1, 2), self.reduce_gamma)
         return w1, w2, w3, self.b1, self.b2, self.b3
 
     def expert_params(self) -> list[tuple[Tensor, ...] | None]:
-        """Per-expert views of (w1, w2, w3, b1, b2, b3, sub_norm): ``ffn_forward(x, *[t[e] ...])``.
+        """Per-expert views of (w1, w2, w3, b1, b2, b3, sub_norm): ``expert_ffn(x, [t[e] ...])``.
 
         ``unbind`` once: its backward stacks the per-expert gradients in one allocation, whereas
         indexing w[e] per expert would materialise a full-size zero gradient per expert (O(E^2)).
@@ -120,8 +132,7 @@ class GroupedExperts(nn.Module):
     def expert_forward(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e`` on rows x [N, D_in] -> [N, D_in]."""
         pick = lambda t: None if t is None else t[e]  # noqa: E731
-        return ffn_forward(x, *[pick(t) for t in (*self.effective_weights(), self.sub_norm)],
-                           act_quant=self.quantized)
+        return expert_ffn(x, [pick(t) for t in (*self.effective_weights(), self.sub_norm)], self.quantized)
 
     def forward_sorted(self, x_sorted: Tensor, counts: list[int]) -> Tensor:
         """Run every expert on its contiguous block of rows.
@@ -131,7 +142,7 @@ class GroupedExperts(nn.Module):
         """
         params = self.expert_params()
         # torch.split for the same reason as unbind: slicing per expert would backprop a full-size zero per slice.
-        outs = [ffn_forward(rows, *[None if t is None else t[e] for t in params], act_quant=self.quantized)
+        outs = [expert_ffn(rows, [None if t is None else t[e] for t in params], self.quantized)
                 for e, rows in enumerate(torch.split(x_sorted, counts)) if counts[e]]
         if not outs:
             return x_sorted.new_zeros(x_sorted.shape)
@@ -183,6 +194,7 @@ class GroupedExperts(nn.Module):
             # rows past the end hold undefined memory (maybe NaN), and so do their gradients coming
             # back from the W2 GEMM: select them away on both sides of the sub-norm, so neither the
             # output nor the sub-norm weight's gradient can see them.
+            assert self.sub_norm is not None  # quantized experts have one
             h = torch.where(live, h, 0)
             h = torch.where(live, activation_quant(sub_norm_rows(h, self.sub_norm[idx])), 0)
         y = gmm(h, w2, offs=offsets)

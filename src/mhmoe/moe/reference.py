@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mhmoe.moe.experts import GroupedExperts, ffn_forward
+from mhmoe.moe.experts import GroupedExperts, expert_ffn
 from mhmoe.moe.routers import RouterOutput
 
 
@@ -26,8 +26,7 @@ def loop_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
         tok, slot = torch.nonzero((route.experts == e) & route.valid, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = ffn_forward(x[tok], *[None if t is None else t[e] for t in params],
-                        act_quant=experts.quantized)  # bf16 under autocast
+        y = expert_ffn(x[tok], [None if t is None else t[e] for t in params], experts.quantized)  # bf16 (autocast)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device) if out is None else out
         out = out.index_add(0, tok, y * route.weights[tok, slot, None].to(y.dtype))
     return torch.zeros_like(x) if out is None else out

@@ -62,6 +62,8 @@ class Router(nn.Module):
     """
 
     fused_gate: str | None = None
+    selection_bias: Tensor  # [E] buffer
+    weight: Tensor  # [E, d_in] of the routers whose scores are x @ weight.t() (those with a fused_gate)
 
     def __init__(self, d_in: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -221,6 +223,7 @@ class XMoERouter(Router):
             return logits, probs, probs
         z = F.normalize(z, dim=-1)
         e = F.normalize(self.expert_embed.float(), dim=-1)
+        assert self.temperature is not None  # the papers' reading learns one (the code's has none)
         logits = (z @ e.t()) / self.temperature.float().clamp_min(1e-2)
         if self.gate_kind == "softmax":
             probs = logits.softmax(-1)

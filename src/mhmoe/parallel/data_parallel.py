@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from mhmoe.config.train import DataParallel
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.parallel.env import DistEnv
@@ -45,7 +46,7 @@ class ParallelModel:
     module: nn.Module
     model: LM
     env: DistEnv
-    mode: str
+    mode: DataParallel
     stats_group: dist.ProcessGroup
     expert_names: list[str] = field(default_factory=list)
     ep_dp_mesh: DeviceMesh | None = None  # FSDP2 + EP: ("ep", "dp") mesh describing the expert shards
@@ -141,7 +142,7 @@ def check_parallel(model: LM, mode: str, ep: int, world_size: int) -> None:
                                               f"the {dp} data-parallel ranks (FSDP2 shards them over dp)")
 
 
-def parallelize(model: LM, env: DistEnv, mode: str) -> ParallelModel:
+def parallelize(model: LM, env: DistEnv, mode: DataParallel) -> ParallelModel:
     """Apply EP (when ``env.ep > 1``), global router statistics and DDP / FSDP2 to ``model``, in place.
 
     All ranks must pass models with identical weights (same seed, or the same checkpoint); the

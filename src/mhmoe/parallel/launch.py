@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from mhmoe.checkpoint import list_checkpoints
 from mhmoe.config.run import RunConfig
-from mhmoe.config.train import TrainConfig
+from mhmoe.config.train import DataParallel, ParallelMode, TrainConfig
 from mhmoe.data.tokenizer_base import Tokenizer
 from mhmoe.errors import ConfigError, TrainingStopped
 from mhmoe.loading.checkpoint import Checkpoint
@@ -32,10 +32,10 @@ from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.resume import LAUNCH_FIELDS
 
 
-def parallel_mode(cfg: TrainConfig) -> str:
+def parallel_mode(cfg: TrainConfig) -> ParallelMode:
     """none | ddp | fsdp: ``train.parallel`` with ``auto`` resolved from the torchrun WORLD_SIZE."""
     world = env_world_size()
-    mode = cfg.parallel if cfg.parallel != "auto" else ("ddp" if world > 1 else "none")
+    mode: ParallelMode = ("ddp" if world > 1 else "none") if cfg.parallel == "auto" else cfg.parallel
     if mode == "none" and world > 1:
         raise ConfigError("train.parallel", cfg.parallel, f"ddp | fsdp (launched with WORLD_SIZE={world})")
     if mode == "none" and cfg.ep > 1:
@@ -49,7 +49,7 @@ class Distributed(SingleProcess):
     lockstep = True
     saves_alone = False  # a sharded checkpoint needs every rank
 
-    def __init__(self, env: DistEnv, mode: str) -> None:
+    def __init__(self, env: DistEnv, mode: DataParallel) -> None:
         super().__init__(env.device)
         self.env, self.mode = env, mode
         self.rank, self.world_size = env.rank, env.world_size

@@ -26,6 +26,7 @@ returns them summed over the shards (e.g. ``lambda t: (dist.all_reduce(t), t)[1]
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,8 @@ class BitLinear(nn.Linear):
     gamma -- while activations are still quantized. ``reduce_gamma``: see the module docstring.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.prequantized = False
         self.reduce_gamma: ReduceGamma | None = None
@@ -151,5 +153,5 @@ def quantized_weights(model: nn.Module) -> dict[str, tuple[int, ...] | None]:
 def set_prequantized(model: nn.Module, value: bool = True) -> None:
     """Mark every quantized module's weights as already ternary x gamma (no re-quantization)."""
     for m in model.modules():
-        if hasattr(m, "prequantized"):
-            m.prequantized = value
+        if hasattr(m, "prequantized"):  # BitLinear and the stacked experts (mhmoe.moe.experts)
+            cast(Any, m).prequantized = value

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import array
 import json
-import os
 import pickletools
 import zipfile
 from typing import Any, BinaryIO
@@ -62,7 +61,7 @@ class BoundedLoadError(ValueError):
     """A YAML or JSON text over a limit, malformed, or (YAML) with a duplicated key."""
 
 
-class _StrictLoader(_Base):  # type: ignore[misc, valid-type]
+class _StrictLoader(_Base):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping (merge keys ``<<`` excepted)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -226,7 +225,8 @@ class _Memo:
     DENSE = 1 << 24
 
     def __init__(self) -> None:
-        self.dense, self.sparse, self.count = bytearray(), {}, 0
+        self.dense, self.count = bytearray(), 0
+        self.sparse: dict[int, int] = {}
 
     def put(self, key: int, depth: int) -> None:
         if key < self.DENSE:
@@ -448,20 +448,6 @@ def check_torch_archive(stream: BinaryIO, where: str) -> None:
         stream.seek(0)
 
 
-def open_checked_torch_archive(path: Any, where: str | None = None) -> BinaryIO:
-    """``path`` (a regular file: a FIFO or a device is refused, never read) opened for ``torch.load``
-    after :func:`check_torch_archive` (the caller closes it)."""
-    from mhmoe.runtime.reading import open_regular  # reading imports this module
-
-    f = os.fdopen(open_regular(path), "rb")
-    try:
-        check_torch_archive(f, where or str(path))
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
 __all__ = ["MAX_JSON_CHARS", "MAX_PICKLE_BYTES", "MAX_PICKLE_COST_FACTOR", "MAX_PICKLE_DEPTH", "MAX_YAML_CHARS",
            "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BoundedLoadError", "check_torch_archive", "load_json", "load_yaml",
-           "open_checked_torch_archive", "pickle_depth", "scan_pickle"]
+           "pickle_depth", "scan_pickle"]

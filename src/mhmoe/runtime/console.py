@@ -40,14 +40,16 @@ def one_line_warnings(file: TextIO | None = None) -> Iterator[set[str]]:
     Yields the set of messages shown so far (for tests). Filters and ``showwarning`` are restored on exit.
     """
     shown: set[str] = set()
+    out = file
 
-    def show(message, category, filename, lineno, file_=None, line=None) -> None:  # warnings.showwarning's signature
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:  # warnings.showwarning's signature
         text = one_line(message)
         if text in shown:
             return
         shown.add(text)
         if is_rank0():
-            print(f"{PREFIX}{text}", file=file or sys.stderr)
+            print(f"{PREFIX}{text}", file=out or sys.stderr)  # the context's file, not the caller's
 
     with warnings.catch_warnings():  # the filters stay as they are (a library's "ignore" still ignores)
         warnings.showwarning = show

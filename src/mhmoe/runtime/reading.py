@@ -31,8 +31,9 @@ import io
 import os
 import stat
 from collections.abc import Iterator
+from typing import BinaryIO
 
-from mhmoe.runtime.bounded import BoundedLoadError
+from mhmoe.runtime.bounded import BoundedLoadError, check_torch_archive
 from mhmoe.runtime.files import what_it_is
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -125,7 +126,7 @@ def read_gzip(path: str | os.PathLike[str], follow: bool = True) -> bytes:
     fd = open_regular(path, follow)
     with os.fdopen(fd, "rb") as raw:
         limit = gzip_limit(os.fstat(fd).st_size)
-        with gzip.GzipFile(fileobj=io.BufferedReader(raw)) as z:  # type: ignore[arg-type]
+        with gzip.GzipFile(fileobj=io.BufferedReader(raw)) as z:
             data = z.read(limit + 1)  # bounded: decompresses at most this much
     if len(data) > limit:
         raise BoundedLoadError(f"{path}: decompresses to more than {limit:,} bytes ({GZIP_RATIO}x its size; a gzip "
@@ -147,6 +148,19 @@ def regular_or_missing(path: str | os.PathLike[str], follow: bool = False) -> bo
     return True
 
 
-__all__ = ["GZIP_MIN_BYTES", "GZIP_RATIO", "MAX_LINE_BYTES", "gzip_limit", "iter_lines", "not_regular", "open_regular",
-           "read_bytes", "read_gzip", "read_text", "regular_or_missing", "symlink_refused", "what_it_is"]
+def open_checked_torch_archive(path: str | os.PathLike[str], where: str | None = None) -> BinaryIO:
+    """``path`` (a regular file: a FIFO or a device is refused, never read) opened for ``torch.load``
+    after :func:`mhmoe.runtime.bounded.check_torch_archive` (the caller closes it)."""
+    f = os.fdopen(open_regular(path), "rb")
+    try:
+        check_torch_archive(f, where or str(path))
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+__all__ = ["GZIP_MIN_BYTES", "GZIP_RATIO", "MAX_LINE_BYTES", "gzip_limit", "iter_lines", "not_regular",
+           "open_checked_torch_archive", "open_regular", "read_bytes", "read_gzip", "read_text", "regular_or_missing",
+           "symlink_refused", "what_it_is"]
 

@@ -99,9 +99,11 @@ def record(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ffn: str, 
         plan = L.route_plan(idx, valid, E, L.plan_block_ms(dtype))
         if needs is None:
             _, _, act = L.up_forward(x, w1, w3, plan, store_pre=False)
+            assert act is not None
             L.down_forward(act, None, w2, weights, valid, plan, "none")
         else:
             h1, h3, _ = L.up_forward(x, w1, w3, plan, store_pre=True)
+            assert h1 is not None
             L.down_forward(h1, h3, w2, weights, valid, plan, "relu" if w3 is None else "swiglu")
             expert_backward(torch.empty_like(x), x, weights, w1, w2, w3, h1, h3, valid, plan, needs, fused)
         if ffn == "swiglu":  # the fused router over the same sub-tokens (input width D, unpadded)

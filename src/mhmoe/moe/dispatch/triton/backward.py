@@ -10,6 +10,8 @@ this module, never ``ops``.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import Tensor
 
 from mhmoe.moe.dispatch.triton.tiles import fuse_dx
@@ -47,5 +49,5 @@ def expert_backward(dout: Tensor, x: Tensor, weights: Tensor, w1: Tensor, w2: Te
         gw1, gw3 = k.wgrad_up(x, dh1, dh3, plan)
     if need_w2:
         gw2 = k.wgrad_down(h1, h3, dout, weights, plan)
-    dweights = dw.view(weights.shape).to(weights.dtype) if need_w else None
+    dweights = cast(Tensor, dw).view(weights.shape).to(weights.dtype) if need_w else None  # set when need_w
     return gx, dweights, gw1 if need_w1 else None, gw2, gw3 if need_w3 else None

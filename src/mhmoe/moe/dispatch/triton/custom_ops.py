@@ -15,6 +15,8 @@ the backward reuses it instead of sorting again.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -39,7 +41,7 @@ def _plan(tensors: list[Tensor], dtype: torch.dtype, S: int, K: int, E: int):
 def _fake_plan(experts: Tensor, dtype: torch.dtype, E: int) -> list[Tensor]:
     L = _L()
     SK = experts.numel()
-    i32 = dict(dtype=torch.int32, device=experts.device)
+    i32: dict[str, Any] = dict(dtype=torch.int32, device=experts.device)
     out = [experts.new_empty(SK, **i32), experts.new_empty(E, **i32), experts.new_empty(E, **i32)]
     for bm in L.plan_block_ms(dtype):
         n = L.n_tiles(SK, E, bm)

@@ -45,7 +45,7 @@ def _interpreter_numpy_compat() -> None:
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    patched.mhmoe_compat = True
+    patched.mhmoe_compat = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
 
 

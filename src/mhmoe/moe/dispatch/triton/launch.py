@@ -244,7 +244,7 @@ def up_forward(x: Tensor, w1: Tensor, w3: Tensor | None, plan: Plan,
     SK, E = plan.order.numel(), plan.n_experts
     D, F = w1.shape[1], w1.shape[2]
     gated, dt = w3 is not None, dkey(x.dtype)
-    if gated:
+    if w3 is not None:
         assert w3.stride() == w1.stride()
     h1 = x.new_empty(SK, F) if store_pre else None
     h3 = x.new_empty(SK, F) if store_pre and gated else None
@@ -331,7 +331,7 @@ def dx_backward(dh1: Tensor, dh3: Tensor | None, w1: Tensor, w3: Tensor | None, 
     D, F = w1.shape[1], w1.shape[2]
     gated, dt = dh3 is not None, dkey(dh1.dtype)
     if gated:
-        assert w3.stride() == w1.stride()
+        assert w3 is not None and w3.stride() == w1.stride()
     dxs = dh1.new_zeros(S, D) if K == 1 else dh1.new_empty(SK, D)
     bm, tile_expert, tile_row = _tiles(plan, "dx", dt)
     _launch("dx", dt, _row_grid(plan, bm, D),

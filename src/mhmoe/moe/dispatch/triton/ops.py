@@ -122,7 +122,7 @@ def triton_supported(x: Tensor, experts: GroupedExperts) -> bool:
     return triton_available() and _unsupported(x, experts) is None
 
 
-def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, ...]:
+def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """x [S, D] and the weights with D and F zero-padded to multiples of ALIGN (differentiable): every
     row stride is then 16-element aligned, which the kernels' pipelined (cp.async) loads need. Zero
     columns give zero hidden units (silu(0) * 0 = relu(0) = 0) that meet zero rows of W2: exact."""
@@ -130,8 +130,9 @@ def _pad_widths(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> tuple[T
     pd, pf = padded(D) - D, padded(F) - F
     if not (pd or pf):
         return x, w1, w2, w3
-    pad_in = lambda w: None if w is None else nnf.pad(w, (0, pf, 0, pd))  # noqa: E731 -- [E, D, F]
-    return nnf.pad(x, (0, pd)), pad_in(w1), nnf.pad(w2, (0, pd, 0, pf)), pad_in(w3)
+    pad_in = (0, pf, 0, pd)  # [E, D, F]
+    return (nnf.pad(x, (0, pd)), nnf.pad(w1, pad_in), nnf.pad(w2, (0, pd, 0, pf)),
+            None if w3 is None else nnf.pad(w3, pad_in))
 
 
 def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
@@ -152,7 +153,8 @@ def triton_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tenso
     from . import custom_ops
 
     D = x.shape[1]
-    w1, w2, w3 = (None if w is None else w.to(dt) for w in (experts.w1, experts.w2, experts.w3))
+    w1, w2 = experts.w1.to(dt), experts.w2.to(dt)
+    w3 = None if experts.w3 is None else experts.w3.to(dt)
     if w3 is not None and w3.stride() != w1.stride():
         w3 = w3.contiguous()
         w1 = w1.contiguous()
