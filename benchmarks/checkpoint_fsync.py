@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mhmoe.checkpoint import save_checkpoint
+from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.config.presets import get_preset
 from mhmoe.data.tokenizer import ByteTokenizer
 from mhmoe.model import build_model

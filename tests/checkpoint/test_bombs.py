@@ -211,7 +211,7 @@ def test_a_trainer_state_with_a_deep_key_is_refused_not_a_crash(tmp_path):
     the archive's pickle is walked first and refused; the checkpoint falls back like a damaged one."""
     import json
 
-    from mhmoe.checkpoint import save_checkpoint
+    from mhmoe.checkpoint.write import save_checkpoint
     from mhmoe.config.model import ModelConfig
     from mhmoe.config.run import RunConfig
     from mhmoe.config.train import TrainConfig

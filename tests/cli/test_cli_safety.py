@@ -29,7 +29,7 @@ import torch
 from helpers import MHMOE, run_messages, sigint_default, tiny_run
 
 import mhmoe.cli
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.checkpoint.write import save_checkpoint
 from mhmoe.cli import main
 from mhmoe.config.model import ModelConfig

@@ -230,7 +230,7 @@ def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
 
 # ---- (c) DCP checkpoint saved by 2 ranks (EP) loads in 1 process, converts, and training continues ----------
 def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_path, monkeypatch):
-    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.checkpoint.format import list_checkpoints
     from mhmoe.loading.checkpoint import load_latest
     from mhmoe.train.convert import dcp_to_safetensors, safetensors_to_dcp
     from mhmoe.train.loop import train
@@ -284,7 +284,7 @@ def test_torchrun_cli_resumes_an_ep_checkpoint_with_fsdp(dist_runs, tmp_path):
     import subprocess
     import sys
 
-    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.checkpoint.format import list_checkpoints
 
     run_dir = tmp_path / "run"
     shutil.copytree(dist_runs / "ddp-ep2-accum", run_dir)
@@ -345,7 +345,7 @@ def test_bad_parallel_settings_are_one_line_errors(monkeypatch, tmp_path, capsys
 def test_single_process_checkpoint_resumes_under_two_ranks(dist_runs, monkeypatch):
     """1 -> 2 ranks: the 2-rank DDP + EP resume of a single-file checkpoint continues exactly like one
     process resuming it on the union batches."""
-    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.checkpoint.format import list_checkpoints
     from mhmoe.train.loop import train
 
     got = _records(dist_runs / "single")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from helpers import MHMOE, run_messages, tiny_run
 
 import mhmoe
-from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
+from mhmoe.checkpoint.format import list_checkpoints, verify_checkpoint
 
 pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
               pytest.mark.slow]  # two processes start torch and train: ~30 s of CPU (make test-all runs it)

@@ -16,7 +16,7 @@ import pytest
 from bombs import run_limited
 from helpers import MHMOE, tiny_run
 
-from mhmoe.checkpoint import list_checkpoints, verify_checkpoint
+from mhmoe.checkpoint.format import list_checkpoints, verify_checkpoint
 from mhmoe.cli import main
 from mhmoe.errors import NO_SPACE_EXIT, ConfigError, UnsafePathError
 from mhmoe.loading.checkpoint import load_latest

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import DENSE, MHMOE, NOISY_MH, SMOE, assert_same_run, losses, records, tiny_run  # noqa: E402
 
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.config.run import RunConfig

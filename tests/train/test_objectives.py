@@ -14,7 +14,7 @@ import torch
 from helpers import MHMOE, SMOE, losses, records
 from mm_helpers import DIGITS_SEQ, XMOE_MH, mm_run
 
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError

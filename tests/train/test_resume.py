@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import MHMOE, assert_same_run, records, rehash, tiny_run
 
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.errors import CheckpointError
 from mhmoe.loading.checkpoint import load_latest
 from mhmoe.model.lm import LM

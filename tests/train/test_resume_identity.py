@@ -18,7 +18,7 @@ import pytest
 from helpers import MHMOE, assert_same_run, records, tiny_run
 
 import mhmoe
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.cli import main
 from mhmoe.config.run import RunConfig
 from mhmoe.train.loop import train

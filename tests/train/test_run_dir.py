@@ -21,7 +21,7 @@ import pytest
 from helpers import MHMOE, assert_same_run, records, run_messages, sigint_default, tiny_run
 
 import mhmoe
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
 from mhmoe.train.lock import LOCK_FILE, RunDirLock

@@ -161,7 +161,7 @@ def test_special_config_and_cache_paths_are_one_line_errors(run2, tmp_path, caps
 def test_fifos_in_checkpoint_and_saved_directories_are_refused_not_waited_on(tmp_path):
     """meta.json of a checkpoint and config.json of a saved model directory are downloaded content: a
     FIFO there made every loader wait forever."""
-    from mhmoe.checkpoint import save_checkpoint
+    from mhmoe.checkpoint.write import save_checkpoint
     from mhmoe.config.model import ModelConfig
     from mhmoe.config.run import RunConfig
     from mhmoe.config.train import TrainConfig

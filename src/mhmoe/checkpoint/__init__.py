@@ -23,24 +23,3 @@ package builds no model and no tokenizer: it reads and writes files, so the mode
 Checkpoints are downloaded and shared: loading one never executes code from it and never reads
 outside its directory (see docs/SAFETY.md).
 """
-
-import importlib
-from typing import Any
-
-# old import paths (``from mhmoe.checkpoint import list_checkpoints``), resolved on use so that importing
-# the pure-Python ``layout`` loads no torch; import from the defining module instead
-_MOVED = {
-    **dict.fromkeys(("check_links", "checkpoint_candidates", "list_checkpoints", "newest_valid", "publish_checkpoint",
-                     "remove_stale_temporaries", "verify_checkpoint"), "mhmoe.checkpoint.format"),
-    **dict.fromkeys(("CKPT_DIR", "DCP_DIR", "FORMAT_VERSION", "META_FILE", "PREFIX", "is_checkpoint_dir"),
-                    "mhmoe.checkpoint.layout"),
-    **dict.fromkeys(("CheckpointFiles", "check_trainer_state", "open_checkpoint", "read_trainer_state", "read_weights",
-                     "warn_if_unsafe_torch"), "mhmoe.checkpoint.read"),
-    **dict.fromkeys(("model_is_finite", "save_checkpoint", "save_dcp_checkpoint_alone"), "mhmoe.checkpoint.write"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module 'mhmoe.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(_MOVED[name]), name)

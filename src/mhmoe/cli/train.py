@@ -84,7 +84,7 @@ def refuse_resume_of_nothing(args: argparse.Namespace) -> None:
     """``--resume`` into a directory that holds no checkpoint and no ``config.yaml`` has no run to
     continue: refused in one line unless the run is named (``--config`` or ``--preset``), so a resume
     never trains the default preset in place of a run it cannot find."""
-    from mhmoe.checkpoint import list_checkpoints
+    from mhmoe.checkpoint.format import list_checkpoints
     from mhmoe.checkpoint.layout import CONFIG_FILE
 
     out = Path(args.out)

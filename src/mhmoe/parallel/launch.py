@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mhmoe.checkpoint import list_checkpoints
+from mhmoe.checkpoint.format import list_checkpoints
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import DataParallel, ParallelMode, TrainConfig
 from mhmoe.data.tokenizer_base import Tokenizer
