@@ -199,7 +199,10 @@ def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tenso
                      w3: Tensor | None, dxs: Tensor | None, layout: RowLayout, chunk: int,
                      workers: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """The backward of the per-block forward from the rows' output gradients ``dy`` [R, D]: the weight gradients
-    (returned) and the rows' input gradients ``dxs`` [R, D] (written in place)."""
+    (returned) and the rows' input gradients ``dxs`` [R, D] (written in place). In bf16 the weight gradients of
+    W1/W3 take every block's rows transposed into a contiguous copy first: oneDNN's bf16 GEMM with a transposed
+    left operand ran at about half speed (MKL's float32 GEMM transposes as fast itself)."""
+    transpose_x = xs.dtype == torch.bfloat16
     gw1, gw2 = torch.empty_like(w1), torch.empty_like(w2)
     gw3 = torch.empty_like(w3) if w3 is not None else None
     _zero_empty(layout.sizes, gw1, gw2, gw3)
@@ -212,12 +215,13 @@ def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tenso
         else:
             a1, a3 = h1[r], h3[r] if h3 is not None else None
         da = torch.mm(dy_, w2[e].t())
+        xt = x_.t().contiguous() if transpose_x else x_.t()
         if a3 is not None:
             act = F.silu(a1)
             dh3 = da * act
             _wgrad(gw2[e], act.mul_(a3).t(), dy_, first)  # the activation W2 saw: silu(h1) * h3
             dh1 = torch.ops.aten.silu_backward.grad_input(da.mul_(a3), a1, grad_input=da)
-            _wgrad(gw3[e], x_.t(), dh3, first)
+            _wgrad(gw3[e], xt, dh3, first)
             if dxs is not None:
                 torch.mm(dh3, w3[e].t(), out=dxs[r])
                 dxs[r].addmm_(dh1, w1[e].t())
@@ -226,7 +230,7 @@ def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tenso
             dh1 = torch.ops.aten.threshold_backward(da, a1, 0)
             if dxs is not None:
                 torch.mm(dh1, w1[e].t(), out=dxs[r])
-        _wgrad(gw1[e], x_.t(), dh1, first)
+        _wgrad(gw1[e], xt, dh1, first)
 
     _run_blocks(_blocks(layout.sizes, chunk), block, workers)
     return gw1, gw2, gw3
@@ -255,6 +259,8 @@ def _batched_backward(xs: Tensor, h1: Tensor, h3: Tensor | None, g: Tensor, w1: 
     C = xs.shape[0] // E if E else 0
     dy = g.view(E, C, D)
     xt = xs.view(E, C, D).transpose(1, 2)
+    if xs.dtype == torch.bfloat16:  # as in _blocks_backward: 2-D transposed copies (the 3-D copy is element-wise)
+        xt = torch.stack([xe.t().contiguous() for xe in xs.view(E, C, D)]) if E else xt
     da = torch.bmm(dy, w2.transpose(1, 2)).view(-1, Fh)  # [E*C, F]
     gw3 = None
     if h3 is not None:
