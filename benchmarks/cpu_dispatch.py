@@ -10,8 +10,9 @@ expert) changes from call to call as in training; the pool is run once before ti
 repeat are timed as they are in a long run (oneDNN's kernels built and cached), while a path whose shapes never
 repeat pays for new kernels on every call.
 
-Candidates: ``fused:A`` (rows per expert rounded up to a multiple of A), ``batched:A`` (every expert padded to
-the largest, one bmm per matrix), ``sorted``, ``chunked:A`` (thin_wide only).
+Candidates: ``fused:A`` (rows per expert rounded up to a multiple of A; whole experts spread over the threads),
+``fused:A:intra`` (the same with every GEMM split over the threads instead), ``batched:A`` (every expert padded
+to the largest, one bmm per matrix), ``sorted``, ``chunked:A`` (thin_wide only).
 
 ``--table`` rebuilds the table from every ``benchmarks/results/cpu_dispatch_*.json`` and rewrites it in
 ``cpu_table.py``; ``--check`` exits 1 when the file's table differs from the one the measurements give.
@@ -44,7 +45,7 @@ import torch
 from mhmoe.config.flops import moe_layer_flops
 from mhmoe.config.moe import MoEConfig
 from mhmoe.moe.dispatch.cpu_table import DTYPES, SHAPE_CLASSES, CpuChoice, shape_class
-from mhmoe.moe.dispatch.fused import chunk_rows, fused_moe
+from mhmoe.moe.dispatch.fused import chunk_rows, expert_workers, fused_moe
 from mhmoe.moe.dispatch.layout import batch_padding
 from mhmoe.moe.experts import DenseFFN
 from mhmoe.moe.layers import build_ffn_layer
@@ -54,9 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TABLE_FILE = ROOT / "src" / "mhmoe" / "moe" / "dispatch" / "cpu_table.py"
 DENSE_ALIGN = 64  # the dense reference's hidden width is a multiple of this
-CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:64", "batched:16"],
-              "many": ["fused:1", "fused:16", "fused:32", "fused:64", "batched:16"],
-              "thin_wide": ["sorted", "fused:1", "fused:16", "fused:32", "chunked:32"]}
+CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16"],
+              "many": ["fused:1", "fused:16", "fused:32", "batched:16"],
+              "thin_wide": ["sorted", "fused:1", "fused:32", "chunked:32"]}
 ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "MHMOE_MALLOC")
 
 
@@ -80,13 +81,25 @@ def candidate_layer(d: int, moe: MoEConfig, cand: str, dtype: torch.dtype) -> to
     layer = build_ffn_layer(d, replace(moe, impl="sorted" if name == "sorted" else "fused")).to(dtype=dtype)
     if name == "sorted":
         return layer
-    align = int(arg)
+    align, _, intra = arg.partition(":")
     inner = layer.moe if hasattr(layer, "moe") else layer
     chunk = chunk_rows(moe.d_expert, dtype.itemsize) if name == "chunked" else 0
     pad = math.inf if name == "batched" else -1.0
-    inner.dispatch = lambda xs, route: fused_moe(xs, route, inner.experts, chunk=chunk, align=align,
-                                                 max_batch_padding=pad)
+    workers = 1 if intra else None  # None: expert threads (expert_workers)
+
+    def dispatch(xs: torch.Tensor, route) -> torch.Tensor:
+        w = workers
+        if w is None and name != "batched":
+            w = expert_workers(row_counts(route, inner.experts.n_experts), xs.device)
+        return fused_moe(xs, route, inner.experts, chunk=chunk, workers=w, align=int(align), max_batch_padding=pad)
+
+    inner.dispatch = dispatch
     return layer
+
+
+def row_counts(route, n_experts: int) -> list[int]:
+    """Valid (token, slot) pairs per expert of a routing (host ints)."""
+    return torch.bincount(route.experts[route.valid], minlength=n_experts).tolist()
 
 
 def dense_reference(d: int, moe: MoEConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, float]:
@@ -179,8 +192,9 @@ def run_measure(args: argparse.Namespace) -> int:
 def _choice(cand: str, threshold: float, source: str) -> CpuChoice:
     name, _, arg = cand.partition(":")
     if name == "sorted":
-        return CpuChoice("sorted", 1, -1.0, source)
-    return CpuChoice("chunked" if name == "chunked" else "fused", int(arg), threshold, source)
+        return CpuChoice("sorted", 1, -1.0, True, source)
+    align, _, intra = arg.partition(":")
+    return CpuChoice("chunked" if name == "chunked" else "fused", int(align), threshold, not intra, source)
 
 
 def choose(rows: list[dict], source: str) -> CpuChoice:
@@ -233,8 +247,8 @@ def render(table: dict[tuple[str, str, str], CpuChoice]) -> str:
         for dt in DTYPES:
             for cls in SHAPE_CLASSES:
                 c = table[(isa, dt, cls)]
-                lines.append(f"    ({isa!r}, {dt!r}, {cls!r}):\n"
-                             f"        CpuChoice({c.impl!r}, {c.align}, {c.max_batch_padding!r}, {c.source!r}),")
+                lines.append(f"    ({isa!r}, {dt!r}, {cls!r}):\n        CpuChoice({c.impl!r}, {c.align}, "
+                             f"{c.max_batch_padding!r}, {c.expert_threads!r},\n                  {c.source!r}),")
     return "\n".join(lines + ["}"])
 
 

@@ -149,13 +149,14 @@ def test_expert_parallel_threads_match_oracle(variant):
 def test_expert_workers_rule():
     cpu = torch.device("cpu")
     torch.set_num_threads(2)  # conftest restores the thread count
-    many, few = [5] * (MIN_EXPERTS_PER_WORKER * 2), [5, 0, 5]
+    enough, few = [5] * (MIN_EXPERTS_PER_WORKER * 2), [5, 0, 0, 5]
+    assert MIN_EXPERTS_PER_WORKER * 2 > 2  # `few` has 2 non-empty experts: fewer than the rule asks for 2 threads
     assert expert_workers(few, cpu) == 1
-    assert expert_workers(many, cpu) == 2
-    assert expert_workers(many[1:], cpu) == 1
-    assert expert_workers(many, torch.device("meta")) == 1
+    assert expert_workers(enough, cpu) == 2
+    assert expert_workers(enough[1:], cpu) == 1
+    assert expert_workers(enough, torch.device("meta")) == 1
     torch.set_num_threads(1)
-    assert expert_workers(many, cpu) == 1
+    assert expert_workers(enough, cpu) == 1
 
 
 def test_worker_errors_propagate():

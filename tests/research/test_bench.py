@@ -14,13 +14,15 @@ def test_bench_moe_json_schema(tmp_path, capsys):
     assert main(["bench", "moe", "--configs", "smoe", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
                  "--peers", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert {"cpu", "threads", "torch", "device"} <= set(data["machine"])
+    assert {"cpu", "threads", "torch", "device", "isa"} <= set(data["machine"])
+    assert data["machine"]["isa"] in ("AMX", "AVX-512 BF16", "AVX-512", "AVX2", "other")
     assert {(r["config"], r["dtype"], r["pass"]) for r in data["rows"]} == {
         ("smoe", "float32", "fwd"), ("smoe", "float32", "fwd_bwd")}
     for r in data["rows"]:
         for key in ("tokens", "ms_ours", "ms_loop", "ms_dense", "ratio_dense", "ratio_loop", "ms_sorted", "ms_floor"):
             assert key in r
-        assert r["dense_hidden"] % 128 == 0  # tensor-core aligned
+        assert r["dense_hidden"] % 64 == 0  # aligned (128 on CUDA: tensor cores)
+        assert r["auto_impl"] == "fused" and r["ratio_dense_auto"] == r["ms_dense_norm"] / r["ms_fused"]
         assert r["ms_dense_norm"] == pytest.approx(r["ms_dense"] * r["flops_fwd"] / r["dense_flops_fwd"])
         assert r["ratio_dense"] == r["ms_dense_norm"] / r["ms_ours"] and r["tokens"] == 32
         assert r["ratio_floor"] == r["ms_floor"] / r["ms_ours"]

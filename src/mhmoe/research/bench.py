@@ -72,6 +72,7 @@ PASSES = ("fwd", "fwd_bwd")
 
 
 ALIGN = 128  # the dense reference's hidden width is a multiple of this (tensor-core friendly)
+CPU_ALIGN = 64  # on a CPU: a multiple of 64 (the AVX-512 / AMX register and tile widths in bf16 and fp32)
 
 
 def available_impls(device: torch.device) -> list[str]:
@@ -118,6 +119,9 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     except OSError:
         pass
     info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device)}
+    from mhmoe.runtime.cpu import ISA_NAMES, cpu_isa
+
+    info["isa"] = ISA_NAMES[cpu_isa()]  # the CPU's matrix ISA (AMX, AVX-512 BF16, AVX-512, AVX2): the CPU table's key
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -278,7 +282,8 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
     for layer in layers.values():
         layer.load_state_dict(first.state_dict())
     flops = layer_flops(cfg, tokens)
-    refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL)),
+    align = ALIGN if device.type == "cuda" else CPU_ALIGN
+    refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL, align)),
                                         "floor": GemmFloor(cfg, tokens)}
     if with_loop:
         refs["loop"] = build_ffn_layer(D_MODEL, cfg.moe_config("loop"))
@@ -310,6 +315,7 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
                                "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": ref_flops}
+        row["auto_impl"] = auto_path(next(iter(layers.values())), x)
         fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
         skipped = skipped_peers(cfg, tokens, dtype, device, pass_, tuple(n[5:] for n in refs if n.startswith("peer_")),
                                 free_memory_bytes(device))
@@ -330,6 +336,14 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row.update(predictions(cfg, tokens, dtype, pass_, row["dense_hidden"], device))
         rows.append(row)
     return rows
+
+
+def auto_path(layer: torch.nn.Module, x: torch.Tensor) -> str:
+    """The execution path ``impl="auto"`` resolves to for this layer's routed experts and input ``x``."""
+    from mhmoe.moe.dispatch import resolve_impl
+
+    moe = layer.moe if hasattr(layer, "moe") else layer
+    return resolve_impl("auto", x.new_empty(1, moe.d_in), moe.experts)
 
 
 def predictions(cfg: BenchConfig, tokens: int, dtype: torch.dtype, pass_: str, dense_hidden: int,
@@ -364,6 +378,8 @@ def _summarise(row: dict[str, Any], layers: dict, refs: dict, errors: dict[str, 
     row["best_impl"], row["ms_ours"] = best, row[f"ms_{best}"]
     row["ms_dense_norm"] = row["ms_dense"] * flop_ratio
     row["ratio_dense"] = row["ms_dense_norm"] / row["ms_ours"]
+    auto = row.get("auto_impl")  # the path impl="auto" runs: its time against the dense FFN
+    row["ratio_dense_auto"] = row["ms_dense_norm"] / row[f"ms_{auto}"] if f"ms_{auto}" in row else None
     row["ratio_floor"] = row["ms_floor"] / row["ms_ours"]
     row.setdefault("ms_loop", None)
     row["ratio_loop"] = row["ms_loop"] / row["ms_ours"] if row["ms_loop"] else None
@@ -388,10 +404,12 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
                 progress(f"{name} {dt}")
             rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
                                  peers=tuple(peers), input_grad=input_grad)
-    smoe = {(r["dtype"], r["pass"]): r["ms_ours"] for r in rows if r["config"] == "smoe"}
+    smoe = {(r["dtype"], r["pass"]): r for r in rows if r["config"] == "smoe"}
     for r in rows:
         base = smoe.get((r["dtype"], r["pass"]))
-        r["ratio_vs_smoe"] = r["ms_ours"] / base if base else None
+        r["ratio_vs_smoe"] = r["ms_ours"] / base["ms_ours"] if base else None
+        auto, base_auto = r.get(f"ms_{r.get('auto_impl')}"), base and base.get(f"ms_{base.get('auto_impl')}")
+        r["ratio_vs_smoe_auto"] = auto / base_auto if auto and base_auto else None  # impl="auto" in both
     machine = machine_info(dev)
     if peers:
         from mhmoe.research.bench_peers import peer_info
@@ -413,7 +431,8 @@ def format_rows(result: dict) -> str:
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
     pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
-            + ["ours ms", "loop ms", "dense ms", "dense/ours", "floor ms", "floor/ours", "loop/ours", "vs smoe"]
+            + ["ours ms", "loop ms", "dense ms", "dense/ours", "auto", "dense/auto", "floor ms", "floor/ours",
+               "loop/ours", "vs smoe"]
             + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
             + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -421,14 +440,16 @@ def format_rows(result: dict) -> str:
     for r in rows:
         cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
-                  fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
+                  f"`{r.get('auto_impl')}`", fmt(r.get("ratio_dense_auto"), 2), fmt(r["ms_floor"]),
+                  fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         if pred:
             cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]
         lines.append("| " + " | ".join(cells) + " |")
     m = result["machine"]
     gpu = f" ({m['gpu']})" if m.get("gpu") else ""
-    lines.append(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, device {m['device']}{gpu}; "
+    isa = f" ({m['isa']})" if m.get("isa") and not gpu else ""
+    lines.append(f"\nmachine: {m['cpu']}{isa}, {m['threads']} threads, torch {m['torch']}, device {m['device']}{gpu}; "
                  "dense/ours uses the dense FFN's time scaled to the MoE layer's FLOPs (analytic)"
                  + ("; predicted = the traffic model (mhmoe.research.traffic) on "
                     f"{next(r['pred_device'] for r in rows if 'pred_device' in r)}, without-L2 bound to "

@@ -32,12 +32,14 @@ CPU_IMPLS = ("fused", "sorted", "chunked")
 @dataclass(frozen=True)
 class CpuChoice:
     """One entry: ``impl`` (fused | sorted | chunked), ``align`` (rows per expert rounded to a multiple of it),
-    ``max_batch_padding`` (batched GEMMs when the padding is at most this fraction; negative: never), ``source``
-    (the measurement file the entry was chosen from)."""
+    ``max_batch_padding`` (batched GEMMs when the padding is at most this fraction; negative: never),
+    ``expert_threads`` (whole experts spread over the CPU threads, :func:`mhmoe.moe.dispatch.fused.expert_workers`;
+    False: every GEMM split over all threads), ``source`` (the measurement files the entry was chosen from)."""
 
     impl: str
     align: int
     max_batch_padding: float
+    expert_threads: bool
     source: str
 
 
@@ -61,8 +63,8 @@ def cpu_choice(dtype: torch.dtype, experts: GroupedExperts, isa: str | None = No
 
 # BEGIN TABLE (written by benchmarks/cpu_dispatch.py --table; do not edit by hand)
 TABLE: dict[tuple[str, str, str], CpuChoice] = {
-    (isa, dt, cls): CpuChoice("sorted" if cls == "thin_wide" else "fused", 16 if dt == "bfloat16" else 1,
-                              0.25 if dt == "bfloat16" else -1.0, "provisional")
+    (isa, dt, cls): CpuChoice("sorted" if cls == "thin_wide" else "fused", 32 if dt == "bfloat16" else 1,
+                              0.25 if dt == "bfloat16" else -1.0, True, "provisional")
     for isa in ISAS for dt in DTYPES for cls in SHAPE_CLASSES
 }
 # END TABLE

@@ -49,7 +49,7 @@ from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
 CHUNK_BYTES = 2 << 20  # hidden-block budget per chunk for impl="chunked" (fits L2/L3 slices)
-MIN_EXPERTS_PER_WORKER = 8  # expert-parallel CPU threads only with this many non-empty experts per thread
+MIN_EXPERTS_PER_WORKER = 2  # expert-parallel CPU threads only with this many non-empty experts per thread
 
 
 def chunk_rows(d_hidden: int, itemsize: int, budget: int = CHUNK_BYTES) -> int:
@@ -284,7 +284,8 @@ def _batched_backward(xs: Tensor, h1: Tensor, h3: Tensor | None, g: Tensor, w1: 
 def expert_workers(counts: list[int], device: torch.device) -> int:
     """Threads for :func:`_run_blocks`: on CPU, ``torch.get_num_threads()`` when there are at least
     ``MIN_EXPERTS_PER_WORKER`` non-empty experts per thread (then whole experts keep every core
-    busy with single-threaded GEMMs, measured faster than splitting each small GEMM), else 1.
+    busy with single-threaded GEMMs, measured faster than splitting each small GEMM -- and far less
+    hurt by other processes on the cores, which stall every GEMM split over threads), else 1.
     Also 1 under a ``TorchDispatchMode`` (``FlopCounterMode``, fake tensors): modes are per thread,
     so ops run on worker threads would escape them."""
     threads = torch.get_num_threads() if device.type == "cpu" and not is_in_torch_dispatch_mode() else 1
@@ -303,7 +304,8 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     step to step); ``max_batch_padding``: all experts run as one ``bmm`` per matrix, every expert padded to the
     largest, when that pads at most this fraction of the rows (``inf``: always; negative: never; ``chunk`` and
     ``workers`` then do not apply): :mod:`mhmoe.moe.dispatch.layout`. None: the CPU dispatch table's values
-    (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere.
+    (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere; the table also says whether
+    ``workers=None`` may use expert threads.
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
     activation quantization or sub-norms): :func:`mhmoe.moe.dispatch.choose_impl` runs ``sorted`` for them.
     """
@@ -313,15 +315,15 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):  # run in the autocast dtype, autocast off inside
         dtype = torch.get_autocast_dtype(x.device.type)
-    if align is None or max_batch_padding is None:
-        entry = cpu_choice(dtype, experts) if x.device.type == "cpu" else None
-        align = align if align is not None else (entry.align if entry else 1)
-        if max_batch_padding is None:
-            max_batch_padding = entry.max_batch_padding if entry else -1.0
+    entry = cpu_choice(dtype, experts) if x.device.type == "cpu" else None
+    align = align if align is not None else (entry.align if entry else 1)
+    if max_batch_padding is None:
+        max_batch_padding = entry.max_batch_padding if entry else -1.0
     layout = row_layout(route.experts, route.valid, experts.n_experts, align, -1.0 if chunk else max_batch_padding)
     ws = [None if w is None else w.to(dtype) for w in (experts.w1, experts.w2, experts.w3)]
     if workers is None:
-        workers = 1 if layout.batched else expert_workers(layout.counts, x.device)
+        threads = entry is None or entry.expert_threads
+        workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers)
 
