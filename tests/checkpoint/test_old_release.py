@@ -25,8 +25,10 @@ STEP = "checkpoints/step_00000002"
 KINDS = {"run": "run", "checkpoint": f"run/{STEP}", "dcp-run": "dcp", "dcp-checkpoint": f"dcp/{STEP}",
          "saved": "saved", "export-hf": "hf"}
 TRAINING = ("run", "checkpoint", "dcp-run", "dcp-checkpoint")
-# analyze and export take seconds each: one kind of each format in the quick suite, the rest under -m slow
-SOME = [pytest.param(k, marks=pytest.mark.slow) if k in ("run", "dcp-checkpoint") else k for k in KINDS]
+# analyze and export take seconds each and load through the same load_latest as eval: one training kind
+# each in the quick suite (and the refusals), the others under -m slow
+ANALYZE = [pytest.param(k, marks=pytest.mark.slow) if k in TRAINING and k != "dcp-run" else k for k in KINDS]
+EXPORT = [pytest.param(k, marks=pytest.mark.slow) if k in TRAINING and k != "checkpoint" else k for k in KINDS]
 EVAL_LOSS = 5.483691692352295  # `mhmoe eval --checkpoint run --batches 1` of release 0.1.0
 GREEDY = "in theeeeeeeee"  # its greedy `mhmoe generate --prompt "in the" --max-new-tokens 8`
 
@@ -84,7 +86,7 @@ def test_eval_reads_every_training_kind(at_release, capsys, kind):
     assert res["step"] == 2 and res["eval"]["corpus"]["loss"] == pytest.approx(EVAL_LOSS, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", SOME)
+@pytest.mark.parametrize("kind", ANALYZE)
 def test_analyze_reads_every_training_kind(at_release, tmp_path, capsys, kind):
     code = main(["analyze", "--checkpoint", KINDS[kind], "--batches", "1", "--device", "cpu", "--json",
                  "--out", str(tmp_path / "analysis")])
@@ -95,7 +97,7 @@ def test_analyze_reads_every_training_kind(at_release, tmp_path, capsys, kind):
     assert json.loads(capsys.readouterr().out)["checkpoint"].endswith(STEP)
 
 
-@pytest.mark.parametrize("kind", SOME)
+@pytest.mark.parametrize("kind", EXPORT)
 def test_export_hf_reads_every_training_kind(at_release, tmp_path, capsys, kind):
     pytest.importorskip("transformers")
     code = main(["export", "--hf", KINDS[kind], str(tmp_path / "hf"), "--json"])
