@@ -28,7 +28,8 @@ from mhmoe.train.optim import build_optimizer
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
 LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
-LAUNCH_DATA_FIELDS = ("cache_dir", "bundle")  # where this machine caches tokens or keeps a data bundle: never a checkpoint's choice
+# where this machine caches tokens or keeps a data bundle: never a checkpoint's choice
+LAUNCH_DATA_FIELDS = ("cache_dir", "bundle")
 
 
 def resumed_run(ckpt: Checkpoint, launch: RunConfig, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> RunConfig:
