@@ -149,3 +149,53 @@ def run_messages(err: str) -> list[str]:
         if not re.match(r"step \d+/\d+  val ppl ", line):
             out.append(line)
     return out
+
+
+# ---- special files at paths mhmoe reads -------------------------------------------------------------
+
+
+def plant(path: Path, kind: str, size: int = 0) -> Path:
+    """``path`` made a ``fifo`` (no writer: a plain open blocks), a ``zero`` symlink to /dev/zero (a plain
+    read never ends) or a sparse ``large`` file of ``size`` bytes (no disk used); returns it."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "zero":
+        path.symlink_to("/dev/zero")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(size)
+    return path
+
+
+def within(fn, fifos=(), seconds: float = 30.0):
+    """``fn()`` in a thread that must end within ``seconds`` (its value, or its exception re-raised): a
+    reader that blocked on one of ``fifos`` is released (a writer opens and closes it) and the test fails."""
+    import contextlib
+    import os
+    import threading
+
+    import pytest
+
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(5)
+        pytest.fail(f"blocked for more than {seconds} s on {', '.join(map(str, fifos)) or 'a read'}")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")

@@ -50,6 +50,7 @@ def _add_reproduce(sub) -> None:
 
 
 def _run_reproduce(args: argparse.Namespace) -> int:
+    from mhmoe.research.report import read_results_md
     from mhmoe.research.reproduce import run_table, suite_rows
 
     suite_rows(args.suite)
@@ -59,7 +60,7 @@ def _run_reproduce(args: argparse.Namespace) -> int:
     run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=overrides,
               progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes,
               store=args.store, records=args.records)
-    print(open(f"{out}/results.md", encoding="utf-8").read())
+    print(read_results_md(out))  # a symlink, a FIFO, an oversized file: one line naming it, exit 2
     return 0
 
 
@@ -110,9 +111,15 @@ def _add_analyze(sub) -> None:
 def _is_encoder_run(checkpoint: str) -> bool:
     """A run or checkpoint directory whose config.yaml says model.arch=encoder (masked multi-modal)."""
     from mhmoe.config.run import RunConfig
+    from mhmoe.runtime.reading import regular_or_missing
 
     cfg = Path(checkpoint) / CONFIG_FILE
-    return cfg.is_file() and RunConfig.load(cfg).model.arch == "encoder"
+    try:
+        if not regular_or_missing(cfg):  # a symlink, a FIFO: one line naming it
+            return False
+    except NotADirectoryError:  # a file named as the run: analyze_checkpoint says what it is
+        return False
+    return RunConfig.load(cfg).model.arch == "encoder"
 
 
 def _run_analyze(args: argparse.Namespace) -> int:

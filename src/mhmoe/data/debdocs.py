@@ -47,6 +47,7 @@ from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, decod
 from mhmoe.data.token_cache import default_cache_dir
 from mhmoe.errors import DataError
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_gzip
 
 DPKG_INFO = Path("/var/lib/dpkg/info")
 RULES_VERSION = 1  # bump when a converter or a clean-up rule changes (part of every cache key)
@@ -227,10 +228,12 @@ def _package_key(src: Source, files: Sequence[Path]) -> str:
 
 
 def read_cache(path: Path) -> list[dict] | None:
-    """Rows of a cached ``*.jsonl.gz`` file, or None if it is missing or damaged (then rebuilt)."""
+    """Rows of a cached ``*.jsonl.gz`` file, or None if it is missing or damaged (then rebuilt): a FIFO or a
+    device there is never read, and it is decompressed within :func:`mhmoe.runtime.reading.gzip_limit` of
+    its size."""
     try:
-        return [json.loads(row) for row in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()]
-    except (OSError, EOFError, ValueError):
+        return [json.loads(row) for row in read_gzip(path).decode("utf-8").splitlines()]
+    except (OSError, EOFError, ValueError, RecursionError):
         return None
 
 

@@ -169,6 +169,13 @@ def decode_text(data: bytes, where: str) -> str:
 def read_text_file(path: Path) -> str:
     """Read a UTF-8 regular text file (transparently gunzipping ``*.gz``, within
     :func:`mhmoe.runtime.reading.gzip_limit` of its size: a gzip bomb is refused) via :func:`decode_text`."""
+    return decode_text(read_data_file(path), str(path))
+
+
+def read_data_file(path: Path) -> bytes:
+    """The bytes of a regular data file, gunzipped if ``*.gz`` (within
+    :func:`mhmoe.runtime.reading.gzip_limit` of its size); a FIFO, a device or a directory is refused
+    before a byte is read. DataError naming the file."""
     try:
         if path.suffix == ".gz":
             data = read_gzip(path)
@@ -179,7 +186,7 @@ def read_text_file(path: Path) -> str:
         raise DataError(str(e)) from None
     except (OSError, EOFError) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
-    return decode_text(data, str(path))
+    return data
 
 
 def _find_break(text: str, lo: int, hi: int) -> int:

@@ -25,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import unicodedata
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from mhmoe.data.documents import CorpusUnavailableError, assign_splits
 from mhmoe.data.token_cache import default_cache_dir
 from mhmoe.errors import DataError
 from mhmoe.runtime.files import atomic_write, sha256_file
+from mhmoe.runtime.reading import open_regular
 
 IMAGE_VAL_PERCENT = 10
 IMAGE_TEST_PERCENT = 10
@@ -170,6 +173,43 @@ def render_emoji(font_path: Path = EMOJI_FONT, size: int = EMOJI_SIZE) -> tuple[
     return np.stack(images), cps
 
 
+def load_npz(path: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The arrays ``names`` of a cached ``.npz`` file as :func:`numpy.savez` writes it, read within its own
+    size: a regular file (a FIFO or a device is refused, never read), members stored uncompressed (a
+    deflated one could inflate 1000x), each array's header claiming no more bytes than its member holds,
+    no pickled objects. ValueError (the cache is then rebuilt) or KeyError otherwise."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        try:
+            _check_npz(f, str(path))
+        except (zipfile.BadZipFile, EOFError) as exc:
+            raise ValueError(f"{path}: not an .npz file ({exc})") from None
+        f.seek(0)
+        with np.load(f, allow_pickle=False) as npz:
+            return {name: npz[name] for name in names}
+
+
+def _check_npz(f: io.BufferedReader, where: str) -> None:
+    """ValueError unless every member of the zip ``f`` is an uncompressed ``.npy`` array of plain values
+    whose header claims at most the member's bytes, the members summing to at most the file."""
+    fmt = np.lib.format
+    size = os.fstat(f.fileno()).st_size
+    with zipfile.ZipFile(f) as z:
+        infos = z.infolist()
+        if any(i.compress_type != zipfile.ZIP_STORED for i in infos) or sum(i.file_size for i in infos) > size:
+            raise ValueError(f"{where}: compressed or overlapping members (not a cache file mhmoe wrote)")
+        for i in infos:
+            with z.open(i) as m:
+                version = fmt.read_magic(m)
+                read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+                if read_header is None:
+                    raise ValueError(f"{where}: .npy format {version} of {i.filename!r}")
+                shape, _, dtype = read_header(m)
+                if dtype.hasobject:
+                    raise ValueError(f"{where}: {i.filename!r} holds Python objects (a pickle)")
+                if math.prod(shape) * dtype.itemsize > i.file_size:
+                    raise ValueError(f"{where}: {i.filename!r} claims more than its {i.file_size:,} bytes")
+
+
 def load_emoji_images(font_path: Path = EMOJI_FONT, cache_dir: str | os.PathLike[str] = "") -> ImageSet:
     """Noto Color Emoji renders (32x32 RGB) captioned with their Unicode names; cached."""
     if not font_path.is_file():
@@ -190,8 +230,8 @@ def load_emoji_images(font_path: Path = EMOJI_FONT, cache_dir: str | os.PathLike
     images = cps = None
     if path.is_file():
         try:
-            with np.load(path) as z:
-                images, cps = z["images"], [int(c) for c in z["codepoints"]]
+            z = load_npz(path, ("images", "codepoints"))
+            images, cps = z["images"], [int(c) for c in z["codepoints"]]
         except (OSError, ValueError, KeyError):
             images = None
     if images is None:
@@ -305,8 +345,8 @@ def load_or_fit_codebook(
     path = default_cache_dir(cache_dir) / "visual" / f"{image_set.name}-k{k}-{key}.npz"
     if path.is_file():
         try:
-            with np.load(path) as z:
-                centroids, codes = z["centroids"], z["codes"]
+            z = load_npz(path, ("centroids", "codes"))
+            centroids, codes = z["centroids"], z["codes"]
             if centroids.shape == (k, image_set.patch_dim) and codes.shape == (
                 len(image_set.images),
                 image_set.n_patches,

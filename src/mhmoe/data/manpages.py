@@ -47,6 +47,7 @@ from mhmoe.data.documents import Corpus, CorpusUnavailableError, Document, assig
 from mhmoe.data.token_cache import default_cache_dir
 from mhmoe.errors import DataError
 from mhmoe.runtime.files import atomic_write, sha256_file
+from mhmoe.runtime.reading import read_gzip
 
 DPKG_INFO = Path("/var/lib/dpkg/info")
 MAN_ROOT = Path("/usr/share/man")
@@ -273,12 +274,14 @@ def _cache_key(lang: ManLanguage, pages: Sequence[tuple[str, bytes]], mandoc: st
 
 
 def _read_cache(path: Path) -> list[Document] | None:
+    """The documents of a cached ``*.jsonl.gz`` file (a FIFO or a device is never read; decompressed within
+    :func:`mhmoe.runtime.reading.gzip_limit` of its size), or None when it is missing or damaged."""
     try:
-        rows = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+        rows = read_gzip(path).decode("utf-8").splitlines()
         return [Document(str(r["id"]), str(r["text"])) for r in map(json.loads, rows)]
     except FileNotFoundError:
         return None
-    except (OSError, EOFError, ValueError, KeyError, TypeError):
+    except (OSError, EOFError, ValueError, KeyError, TypeError, RecursionError):
         return None  # damaged: rebuilt and replaced atomically
 
 

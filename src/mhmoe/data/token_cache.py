@@ -31,8 +31,8 @@ import numpy as np
 from mhmoe.data.documents import Document, source_hash
 from mhmoe.data.tokenizer_base import Tokenizer, check_path_component
 from mhmoe.errors import ConfigError, DataError, UnsafePathError, one_line
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs, sha256_file, what_it_is
+from mhmoe.runtime.reading import read_json
 
 CACHE_FORMAT_VERSION = 1
 VERIFY_MAX_BYTES = 512 * 2**20
@@ -93,7 +93,7 @@ def check_cached(bin_path: Path, expected: dict[str, Any]) -> tuple[dict[str, An
     if not man_path.is_file() or not bin_path.is_file():
         return None, "not cached"
     try:
-        manifest = load_json(man_path.read_text("utf-8"), str(man_path))
+        manifest = read_json(man_path, what="token-cache manifest")  # a FIFO, a device, too large: rebuilt
     except (OSError, ValueError) as e:
         return None, f"unreadable manifest ({e})"
     if not isinstance(manifest, dict):

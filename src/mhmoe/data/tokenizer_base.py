@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mhmoe.errors import DataError
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs
+from mhmoe.runtime.reading import read_json
 
 EOS_TEXT = "<|endoftext|>"
 META_FILE = "tokenizer_meta.json"
@@ -165,10 +165,10 @@ def read_tokenizer_meta(directory: Path) -> dict[str, Any]:
     """The checked ``tokenizer_meta.json`` of a saved tokenizer (``kind`` and ``fingerprint`` present,
     current format version); DataError otherwise."""
     meta_path = directory / META_FILE
-    if not meta_path.is_file():
+    if not meta_path.exists():
         raise DataError(f"{meta_path}: tokenizer metadata not found")
-    try:
-        meta = load_json(meta_path.read_text("utf-8"), str(meta_path))
+    try:  # a FIFO, a device, a directory or an oversized file: refused in one line, never read
+        meta = read_json(meta_path, what=META_FILE)
         if not isinstance(meta["kind"], str) or not isinstance(meta["fingerprint"], str):
             raise TypeError("kind and fingerprint must be strings")
     except (ValueError, KeyError, TypeError) as e:

@@ -18,7 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from mhmoe.data.documents import Corpus, Document, chunk_text, decode_text, read_text_file
+from mhmoe.data.documents import Corpus, Document, chunk_text, decode_text, read_data_file, read_text_file
 from mhmoe.errors import DataError
 
 TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst")
@@ -62,7 +62,7 @@ def load_directory(path: Path) -> Corpus:
 
 def load_jsonl(path: Path, field: str = "text") -> Corpus:
     """One document per JSON line, text in string field ``field``; blank lines and empty texts skipped."""
-    raw = path.read_bytes()
+    raw = read_data_file(path)  # a regular file (a FIFO or a device is refused, never read)
     if not raw.strip():
         raise DataError(f"{path}: empty file (no rows)")
     docs = []

@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_bytes
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 TASK_NAMES = ("mhmoe_kjv_cloze", "mhmoe_kjv_ppl")
@@ -35,6 +36,7 @@ MIN_VERSE_WORDS = 10
 N_CLOZE = 400
 N_CHOICES = 4
 SEED = 1234
+MAX_TASK_FILE_BYTES = 64 << 20  # a shipped task's .jsonl (the two KJV tasks: 160 KB each)
 
 CLOZE_YAML = {
     "task": "mhmoe_kjv_cloze", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "kjv_cloze.jsonl"}},
@@ -122,7 +124,7 @@ def task_dir(cache_dir: str | Path = "") -> Path:
 
     h = hashlib.sha256()
     for name in sorted(p.name for p in TASKS_DIR.glob("*.jsonl")):
-        h.update(name.encode() + (TASKS_DIR / name).read_bytes())
+        h.update(name.encode() + read_bytes(TASKS_DIR / name, MAX_TASK_FILE_BYTES, what="task file"))
     out = default_cache_dir(str(cache_dir)) / "lmeval_tasks" / h.hexdigest()[:16]
     if not all((out / f"{t}.yaml").is_file() for t in TASK_NAMES):
         _write_yamls(out, TASKS_DIR)

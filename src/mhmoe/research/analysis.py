@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs
+from mhmoe.runtime.reading import read_json, regular_or_missing
 
 
 def activation_frequency(experts: Tensor, valid: Tensor, n_experts: int, n_tokens: int) -> Tensor:
@@ -264,8 +264,9 @@ def _suite_runs(suite_dir: Path) -> list[tuple[str, Path]]:
     from mhmoe.research.reproduce import run_dir_name
     from mhmoe.research.store import suite_run_dirs
 
-    summary = suite_dir / "summary.json"
-    labels = [r["label"] for r in load_json(summary.read_text(), str(summary))["rows"]] if summary.exists() else []
+    summary = suite_dir / "summary.json"  # a symlink, a FIFO, an oversized file: one line naming it
+    labels = ([r["label"] for r in read_json(summary, follow=False, what="summary.json")["rows"]]
+              if regular_or_missing(summary) else [])
     by_dir = {run_dir_name(label): label for label in labels}
     runs = [(by_dir.get(label, label), seed, d) for label, seed, d in suite_run_dirs(suite_dir)]
     order = {label: i for i, label in enumerate(labels)}

@@ -32,8 +32,8 @@ from typing import Any
 
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs
+from mhmoe.runtime.reading import read_json, regular_or_missing
 
 RESERVE = 0.05  # of the wall-clock budget, for the process start and the final report
 CALIBRATION_ROUNDS = 3  # timed steps per row (after WARMUP untimed ones)
@@ -146,8 +146,8 @@ def suite_budget(out: Path, suite: str, runs: dict[str, RunConfig], seeds: dict[
     devices = sorted({resolve_device(run.train.device).type for run in runs.values()})
     key = {"suite": suite, "minutes": minutes, "seeds": seeds, "rows": list(runs), "device": devices}
     path = out / "budget.json"
-    if path.is_file():
-        saved = load_json(path.read_text(encoding="utf-8"), str(path))
+    if regular_or_missing(path):  # a symlink, a FIFO, a directory: one line naming it
+        saved = read_json(path, follow=False, what="budget.json")
         if isinstance(saved, dict) and {k: saved.get(k) for k in key} == key:
             return saved
     make_dirs(out)

@@ -19,10 +19,11 @@ from mhmoe.errors import ConfigError
 from mhmoe.parallel.launch import train_parallel
 from mhmoe.research.report import write_suite_report
 from mhmoe.research.reproduce import _check_same_run as check_same_run
+from mhmoe.research.store import no_symlink_below
 from mhmoe.research.throughput import ROUNDS, describe, timed_throughput
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.console import is_rank0
 from mhmoe.runtime.files import make_dirs
+from mhmoe.runtime.reading import read_json
 
 DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")
 
@@ -51,6 +52,7 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
     for name, seed, run in plan:
         run_dir = out / name / f"seed{seed}"
         done = run_dir / RESULTS_FILE
+        no_symlink_below(out, run_dir)  # a symlinked model or seed directory leads out of --out
         check_same_run(run_dir, run)
         if done.exists():
             print(f"[{name} seed {seed}] finished earlier: reusing {run_dir}", file=sys.stderr)
@@ -62,7 +64,8 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
             train_parallel(run, run_dir, resume=resume, progress=progress)
         if not is_rank0():  # torchrun: rank 0 reports
             continue
-        runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **load_json(done.read_text(), str(done))})
+        results = read_json(done, follow=False, what=RESULTS_FILE)  # a FIFO, a symlink, too large: one line
+        runs.append({"label": name, "seed": seed, "run_dir": str(run_dir), **results})
     if not runs:  # a torchrun rank other than 0
         return [], ""
     wall = time.perf_counter() - t0

@@ -243,13 +243,13 @@ def suite_power(suite_dir: Path, gap: float = PAPER_GAP, seeds: Iterable[int] = 
     from mhmoe.checkpoint.layout import RESULTS_FILE
     from mhmoe.research.suites import suite_settings
     from mhmoe.research.tables import primary_set
-    from mhmoe.runtime.bounded import load_json
     from mhmoe.runtime.files import atomic_write
+    from mhmoe.runtime.reading import read_json, regular_or_missing
 
     path = Path(suite_dir) / RESULTS_FILE
-    if not path.is_file():
+    if not regular_or_missing(path):  # a symlink, a FIFO, a directory: one line naming it
         raise ValueError(f"{suite_dir}: no results.json (run `mhmoe reproduce decisive-pilot --out {suite_dir}` first)")
-    data = load_json(path.read_text(encoding="utf-8"), str(path))
+    data = read_json(path, follow=False, what=RESULTS_FILE)
     runs, suite = data.get("runs") or [], str(data.get("title", ""))
     if not any(r.get("curve") for r in runs):
         raise ValueError(f"{path}: no per-seed evaluation curves (written by an older mhmoe: `mhmoe reproduce SUITE "

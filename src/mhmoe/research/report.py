@@ -28,6 +28,15 @@ from mhmoe.train.plots import Curves, mean_curves, plot_curves, read_curves
 
 # a suite's files: its results.json and curves.png are named as a run's
 RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVES_PNG = "results.md", "results.csv", RESULTS_FILE, CURVES_FILE
+MAX_RESULTS_MD_BYTES = 16 << 20  # a suite's results.md: its tables and notes (a few KB)
+
+
+def read_results_md(suite_dir: str | os.PathLike[str]) -> str:
+    """``SUITE/results.md``: a regular file (not a symlink, a FIFO or a device) of at most
+    :data:`MAX_RESULTS_MD_BYTES`; BoundedLoadError (one line naming it) otherwise."""
+    from mhmoe.runtime.reading import read_text
+
+    return read_text(Path(suite_dir) / RESULTS_MD, MAX_RESULTS_MD_BYTES, follow=False, what=RESULTS_MD)
 
 
 def val_sets(runs: list[dict]) -> list[str]:
@@ -156,15 +165,11 @@ def run_dirs_of(path: Path) -> list[Path]:
 def _suite_runs(path: Path) -> list[tuple[str, Curves]]:
     """(label, curves) of every run listed in a reproduce suite's ``results.json`` (runs kept in a run
     store are not below the suite folder); [] for any other path."""
-    from mhmoe.runtime.bounded import BoundedLoadError, load_json
+    from mhmoe.research.store import read_suite_results
 
-    f = path / RESULTS_JSON
-    if (path / METRICS_FILE).is_file() or not f.is_file():
+    if (path / METRICS_FILE).is_file():
         return []
-    try:
-        data = load_json(f.read_text(encoding="utf-8"), str(f))
-    except (OSError, BoundedLoadError):
-        return []
+    data = read_suite_results(path / RESULTS_JSON)  # a symlink, a FIFO, an oversized file: one line
     runs = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(runs, list) or not all(isinstance(r, dict) and "curve" in r for r in runs):
         return []

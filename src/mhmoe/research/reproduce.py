@@ -27,7 +27,16 @@ from mhmoe.checkpoint.layout import CONFIG_FILE, RESULTS_FILE
 from mhmoe.config.presets import SCALES
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError
-from mhmoe.research.store import BOOKKEEPING, RunStore, first_difference, identity, make_record, run_key
+from mhmoe.research.report import read_results_md
+from mhmoe.research.store import (
+    BOOKKEEPING,
+    RunStore,
+    first_difference,
+    identity,
+    make_record,
+    no_symlink_below,
+    run_key,
+)
 from mhmoe.research.suites import (
     SETTINGS,
     SUITE_BLOCKS,
@@ -40,8 +49,8 @@ from mhmoe.research.suites import (
     suite_settings,
 )
 from mhmoe.research.tables import summarize_results, write_outputs
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write, make_dirs
+from mhmoe.runtime.reading import read_json, regular_or_missing
 
 __all__ = ["BOOKKEEPING", "SETTINGS", "SUITES", "SUITE_BLOCKS", "SUITE_SCALES", "Row", "run_suite", "run_table",
            "select_rows", "suite_rows", "summarize_results", "write_outputs"]
@@ -66,7 +75,7 @@ def run_table(name: str, out: str | Path, **kwargs) -> list[dict]:
             if kwargs.get("train_missing", True):
                 raise
             continue  # report-only: a block without finished runs is left out
-        tables.append((where / "results.md").read_text(encoding="utf-8"))
+        tables.append(read_results_md(where))  # a symlink, a FIFO, an oversized file: one line naming it
     if not results:
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
     atomic_write(out / "results.md", "\n".join(tables))
@@ -170,7 +179,7 @@ def _check_same_run(run_dir: Path, run: RunConfig) -> None:
     """A run reused from an older suite folder must have been trained with the same config (bookkeeping
     fields aside)."""
     saved = run_dir / CONFIG_FILE
-    if not saved.exists():
+    if not regular_or_missing(saved):  # a symlink, a FIFO: one line naming it
         return
     diff = first_difference(identity(RunConfig.load(saved)), identity(run))
     if diff:
@@ -240,9 +249,10 @@ class _Runner:
     def find(self, p: Planned) -> dict | None:
         """The finished run of ``p`` as a results entry (an older folder's run, or a store record)."""
         legacy = _run_dir(self.out, p.row.label, p.seed)
-        if (legacy / RESULTS_FILE).is_file():
+        no_symlink_below(self.out, legacy)  # a symlinked row or seed directory leads out of the folder
+        if regular_or_missing(legacy / RESULTS_FILE):  # a symlink, a FIFO: one line naming it
             _check_same_run(legacy, p.run)
-            results = load_json((legacy / RESULTS_FILE).read_text(), str(legacy / RESULTS_FILE))
+            results = read_json(legacy / RESULTS_FILE, follow=False, what=RESULTS_FILE)
             return self.entry(p, make_record(p.run, legacy, results, None), legacy)
         rec = self.store.finished(p.run)
         return None if rec is None else self.entry(p, rec, self.store.run_dir(rec["key"]))

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mhmoe.runtime.bounded import load_json
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_json, regular_or_missing
 
 
 def family_of(label: str) -> str:
@@ -37,7 +37,7 @@ def _row_config(suite_dir: Path, label: str) -> tuple[int, int]:
     from mhmoe.research.store import suite_run_dirs
 
     cfgs = sorted((d / CONFIG_FILE for name, _, d in suite_run_dirs(suite_dir)
-                   if name in (label, run_dir_name(label)) and (d / CONFIG_FILE).is_file()), key=str)
+                   if name in (label, run_dir_name(label)) and regular_or_missing(d / CONFIG_FILE)), key=str)
     if not cfgs:
         raise ValueError(f"{suite_dir}: no config.yaml for row {label!r} (no finished run of it found)")
     moe = RunConfig.load(cfgs[0]).model.moe
@@ -47,18 +47,20 @@ def _row_config(suite_dir: Path, label: str) -> tuple[int, int]:
 
 
 def _read(path: Path) -> dict:
-    return load_json(path.read_text(encoding="utf-8"), str(path))
+    """A suite's JSON file: a regular file within the JSON limit (a symlink, a FIFO, a device, an
+    oversized file: BoundedLoadError naming it)."""
+    return read_json(path, follow=False, what=path.name)
 
 
 def scaling_table(suite_dir: str | Path, val_set: str | None = None) -> dict:
     """``scaling.json``'s content (module docstring): per family, sorted by expert count, the perplexity on
     ``val_set`` (default: the suite's first validation set) and the activation ratios when analysed."""
     root = Path(suite_dir)
-    if not (root / "summary.json").is_file():
+    if not regular_or_missing(root / "summary.json"):
         raise ValueError(f"{root}: no summary.json (run `mhmoe reproduce SUITE --out {root}` first)")
     summary = _read(root / "summary.json")
     val_set = val_set or (summary.get("validation_sets") or [None])[0]
-    analysis = _read(root / "analysis.json") if (root / "analysis.json").is_file() else None
+    analysis = _read(root / "analysis.json") if regular_or_missing(root / "analysis.json") else None
     routing = {r["label"]: r for r in analysis["rows"]} if analysis else {}
     points: dict[str, list[dict]] = {}
     for row in summary["rows"]:

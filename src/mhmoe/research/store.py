@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from typing import Any
 
 from mhmoe.checkpoint.layout import CONFIG_FILE, EVAL_FILE, METRICS_FILE, RESULTS_FILE
 from mhmoe.config.run import RunConfig
-from mhmoe.runtime.bounded import BoundedLoadError, load_json
+from mhmoe.runtime.bounded import MAX_JSON_CHARS, BoundedLoadError, load_json
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_json, read_text, regular_or_missing, symlink_refused
 
 #: fields that do not change what a run computes (launch properties and logging), ignored by the key
 BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device", "parallel",
@@ -113,10 +115,10 @@ class RunStore:
         identity differs is reported in one line and ignored)."""
         key = run_key(run)
         path = self.record_path(key)
-        if not path.is_file():
+        if not os.path.lexists(path):
             return None
-        try:
-            rec = load_json(path.read_text(encoding="utf-8"), str(path))
+        try:  # a symlink, a FIFO, a device or an oversized file is reported and ignored like a damaged one
+            rec = read_json(path, follow=False, what="run record")
         except (OSError, BoundedLoadError) as exc:
             print(f"mhmoe: warning: ignoring run record {path}: {exc}", file=sys.stderr)
             return None
@@ -135,15 +137,15 @@ class RunStore:
         if rec is not None:
             return rec
         run_dir = self.run_dir(run_key(run))
-        if (run_dir / RESULTS_FILE).is_file():
+        no_symlink_below(self.root, run_dir)
+        if regular_or_missing(run_dir / RESULTS_FILE):  # a symlink, a FIFO: one line naming it
             return self.write_record(run, run_dir, environment=None)
         return None
 
     def write_record(self, run: RunConfig, run_dir: Path, environment: dict | None,
                      train_tokens: int | None = None) -> dict:
         """Write (atomically) and return the record of the finished run in ``run_dir``."""
-        results_path = run_dir / RESULTS_FILE
-        results = load_json(results_path.read_text(encoding="utf-8"), str(results_path))
+        results = read_json(run_dir / RESULTS_FILE, follow=False, what=RESULTS_FILE)
         return self.save(make_record(run, run_dir, results, environment, train_tokens))
 
     def save(self, record: dict) -> dict:
@@ -163,6 +165,22 @@ def make_record(run: RunConfig, run_dir: Path, results: dict, environment: dict 
             "environment": environment, "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def read_suite_results(path: Path) -> Any:
+    """The JSON value of a suite folder's ``results.json`` at ``path``; None when there is none, it cannot be
+    read or it is not JSON (not a suite folder). A symlink, a FIFO, a device, a directory or a file over
+    the JSON limit there: BoundedLoadError, one line naming it (never followed, blocked on or read)."""
+    try:
+        if not regular_or_missing(path):
+            return None
+        text = read_text(path, MAX_JSON_CHARS, follow=False, what=RESULTS_FILE)
+    except OSError:
+        return None
+    try:
+        return load_json(text, str(path))
+    except BoundedLoadError:
+        return None
+
+
 def suite_run_dirs(suite_dir: str | Path) -> list[tuple[str, int, Path]]:
     """(label, seed, run directory) of every run a reproduce suite folder's ``results.json`` lists whose run
     directory is here: inside the folder (an older layout), or a store directory ``.../runs/<key>`` whose
@@ -170,13 +188,8 @@ def suite_run_dirs(suite_dir: str | Path) -> list[tuple[str, int, Path]]:
     results.json that lists runs: its ``<label>/seed<k>/`` directories (labels as folder names)."""
     root = Path(suite_dir)
     path = root / RESULTS_FILE
-    runs: list = []
-    if path.is_file():
-        try:
-            data = load_json(path.read_text(encoding="utf-8"), str(path))
-            runs = data.get("runs") or [] if isinstance(data, dict) else []
-        except (OSError, BoundedLoadError):
-            runs = []
+    data = read_suite_results(path)
+    runs: list = data.get("runs") or [] if isinstance(data, dict) else []
     out = []
     for r in runs:
         if not isinstance(r, dict) or not isinstance(r.get("run_dir"), str):
@@ -187,14 +200,26 @@ def suite_run_dirs(suite_dir: str | Path) -> list[tuple[str, int, Path]]:
     if out or runs:
         return out
     return [(d.parent.name, int(d.name[4:]), d) for d in sorted(root.glob("*/seed*"))
-            if d.name[4:].isdigit() and (d / RESULTS_FILE).is_file()]
+            if d.name[4:].isdigit() and _is_inside(d, root)]  # a symlinked row or seed leads nowhere else
 
 
 def _is_inside(d: Path, root: Path) -> bool:
+    """Whether ``d`` is inside ``root`` once every symlink is resolved, with a results.json."""
     try:
         return d.resolve().is_relative_to(root.resolve()) and (d / RESULTS_FILE).is_file()
     except OSError:
         return False
+
+
+def no_symlink_below(root: Path, path: Path) -> None:
+    """BoundedLoadError (one line naming it) when ``path`` or a directory between it and ``root`` (its
+    ancestor; itself not checked: the user's own path) is a symlink: a planted link must not lead
+    a reader out of a suite or store folder."""
+    p = root
+    for part in path.relative_to(root).parts:
+        p = p / part
+        if p.is_symlink():
+            raise symlink_refused(p)
 
 
 def _key_of(run_dir: Path) -> str | None:
@@ -202,6 +227,8 @@ def _key_of(run_dir: Path) -> str | None:
     from mhmoe.errors import ConfigError
 
     try:
-        return run_key(RunConfig.load(run_dir / CONFIG_FILE)) if (run_dir / RESULTS_FILE).is_file() else None
+        if not (regular_or_missing(run_dir / RESULTS_FILE) and regular_or_missing(run_dir / CONFIG_FILE)):
+            return None
+        return run_key(RunConfig.load(run_dir / CONFIG_FILE))
     except (OSError, ConfigError, BoundedLoadError, ValueError):
         return None

@@ -10,9 +10,9 @@ of such files goes through here:
   file: anything but a regular file is refused in one line naming it and saying what it is. The
   ``O_NONBLOCK`` open returns at once for a FIFO, so nothing ever blocks before the check;
   ``follow=False`` (files inside run and checkpoint directories) refuses a symlink too.
-* :func:`read_bytes` / :func:`read_text`: the size comes from ``fstat`` of the opened file and is
-  checked against the limit before reading; at most ``limit + 1`` bytes are ever read (a file that grows
-  meanwhile is refused too).
+* :func:`read_bytes` / :func:`read_text` / :func:`read_json`: the size comes from ``fstat`` of the opened
+  file and is checked against the limit before reading; at most ``limit + 1`` bytes are ever read (a file
+  that grows meanwhile is refused too).
 * :func:`iter_lines`: a ``.jsonl`` log streamed line by line, each line at most ``max_line`` bytes, so
   memory stays bounded whatever the file's size.
 * :func:`read_gzip`: a ``.gz`` file decompressed in a stream that stops at
@@ -31,9 +31,9 @@ import io
 import os
 import stat
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from mhmoe.runtime.bounded import BoundedLoadError, check_torch_archive
+from mhmoe.runtime.bounded import MAX_JSON_CHARS, BoundedLoadError, check_torch_archive, load_json
 from mhmoe.runtime.files import what_it_is
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -101,6 +101,13 @@ def read_text(path: str | os.PathLike[str], limit: int, follow: bool = True, wha
                                f"{exc.start})") from None
 
 
+def read_json(path: str | os.PathLike[str], limit: int = MAX_JSON_CHARS, follow: bool = True,
+              what: str = "JSON file") -> Any:
+    """The JSON value of the regular file ``path`` of at most ``limit`` bytes (:func:`read_text`, then
+    :func:`mhmoe.runtime.bounded.load_json`); BoundedLoadError naming it otherwise."""
+    return load_json(read_text(path, limit, follow, what), str(path), limit)
+
+
 def iter_lines(path: str | os.PathLike[str], follow: bool = True, max_line: int = MAX_LINE_BYTES) -> Iterator[bytes]:
     """The lines of the regular file ``path`` (without their newline), streamed: memory is bounded by
     ``max_line`` whatever the file's size; a longer line raises BoundedLoadError naming the file and
@@ -161,6 +168,6 @@ def open_checked_torch_archive(path: str | os.PathLike[str], where: str | None =
 
 
 __all__ = ["GZIP_MIN_BYTES", "GZIP_RATIO", "MAX_LINE_BYTES", "gzip_limit", "iter_lines", "not_regular",
-           "open_checked_torch_archive", "open_regular", "read_bytes", "read_gzip", "read_text", "regular_or_missing",
-           "symlink_refused", "what_it_is"]
+           "open_checked_torch_archive", "open_regular", "read_bytes", "read_gzip", "read_json", "read_text",
+           "regular_or_missing", "symlink_refused", "what_it_is"]
 
