@@ -4,11 +4,12 @@
 path, round-robin in one process (every repeat runs every candidate once in turn; medians), beside the
 aligned same-FLOPs dense FFN, and writes a JSON file that names the CPU (model, ISA, flags), the thread
 count and the load averages before and after. Layers: the ``bench moe`` configurations (shape class ``few``:
-smoe, fgmoe; ``many``: mh2, mh3) and two thin, wide icml-table5 layers (``thin_wide``: h=2, h=4). Every
-candidate sees the same pool of ``--pool`` random batches in turn, so the routing (and the row count of every
-expert) changes from call to call as in training; the pool is run once before timing, so that shapes that
-repeat are timed as they are in a long run (oneDNN's kernels built and cached), while a path whose shapes never
-repeat pays for new kernels on every call.
+smoe; ``many``: fgmoe, mh2, mh3) and two thin, wide icml-table5 layers (``thin_wide``: h=2, h=4). Every
+candidate sees the same random batches, so the routing (and the row count of every expert) changes from call
+to call as in training: ``--pool`` batches warm every candidate up, then every timed call gets a batch none has
+seen (the same one for every candidate in a repeat). So shapes that repeat are timed as they are in a long run
+(oneDNN's kernels built and cached), while a path whose GEMM shapes follow the row counts exactly pays for new
+kernels on most calls, as it does in training.
 
 Candidates: ``fused:A`` (rows per expert rounded up to a multiple of A; whole experts spread over the threads),
 ``fused:A:intra`` (the same with every GEMM split over the threads instead), ``batched:A`` (every expert padded
@@ -17,10 +18,10 @@ to the largest, one bmm per matrix), ``sorted``, ``chunked:A`` (thin_wide only).
 ``--table`` rebuilds the table from every ``benchmarks/results/cpu_dispatch_*.json`` and rewrites it in
 ``cpu_table.py``; ``--check`` exits 1 when the file's table differs from the one the measurements give.
 Per (ISA, dtype, shape class): the candidate with the smallest geometric mean of (time / the layer's fastest
-time) over the class's layers and all files of that ISA; the batched threshold is the padding at which the
-batched GEMMs would break even with the chosen ``fused``, from the measured times and paddings (the smallest
-over the class's layers; never when batched lost everywhere). ISAs or dtypes without a file take the entry of
-the nearest measured ISA (named in the entry's source)::
+time) over the class's layers and all files of that ISA; the batched threshold is the padding up to which the
+batched GEMMs are picked, a threshold on the layers' measured paddings that best separates the layers where
+batched was faster from those where the chosen ``fused`` was (:func:`batch_threshold`). ISAs or dtypes
+without a file take the entry of the nearest measured ISA (named in the entry's source)::
 
     python benchmarks/cpu_dispatch.py --measure --threads 2 --json benchmarks/results/cpu_dispatch_amx_2t.json
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/cpu_dispatch.py --measure ...   # no AMX tiles
@@ -58,6 +59,7 @@ DENSE_ALIGN = 64  # the dense reference's hidden width is a multiple of this
 CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16"],
               "many": ["fused:1", "fused:16", "fused:32", "batched:16"],
               "thin_wide": ["sorted", "fused:1", "fused:32", "chunked:32"]}
+NO_NATIVE_BF16 = ("avx512", "avx2", "other")  # bf16 converted in software: ~5-100x slower than float32, not measured
 ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "MHMOE_MALLOC")
 
 
@@ -120,17 +122,17 @@ def _step(module: torch.nn.Module, x: torch.Tensor) -> None:
 
 def measure_layer(name: str, d: int, moe: MoEConfig, dtype: torch.dtype, tokens: int, pool: int,
                   repeats: int) -> dict:
-    """One row: median wall and CPU ms of every candidate and of the dense reference, round-robin over a pool."""
+    """One row: median wall and CPU ms of every candidate and of the dense reference, round-robin on fresh batches."""
     probe = build_ffn_layer(d, moe)
     cls = shape_class(probe.moe.experts if hasattr(probe, "moe") else probe.experts)
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(tokens, d, generator=gen).to(dtype) for _ in range(pool)]
+    xs = [torch.randn(tokens, d, generator=gen).to(dtype) for _ in range(pool + repeats)]  # warm-up, then fresh
     mods = {c: candidate_layer(d, moe, c, dtype) for c in CANDIDATES[cls]}
     dense, flop_ratio = dense_reference(d, moe, dtype)
     mods["dense"] = dense
     pads = []
     with torch.no_grad():
-        for x in xs:
+        for x in xs[pool:]:
             counts = mods[CANDIDATES[cls][1]](x).stats.counts.tolist()
             pads.append(batch_padding(counts, 16))
     for i in range(pool):  # warm-up: every shape of the pool built once
@@ -141,7 +143,7 @@ def measure_layer(name: str, d: int, moe: MoEConfig, dtype: torch.dtype, tokens:
     for r in range(repeats):
         for k, m in mods.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            _step(m, xs[r % pool])
+            _step(m, xs[pool + r])
             wall[k].append((time.perf_counter() - t0) * 1e3)
             cpu[k].append((time.process_time() - c0) * 1e3)
     ms = {k: statistics.median(v) for k, v in wall.items()}
@@ -207,9 +209,26 @@ def choose(rows: list[dict], source: str) -> CpuChoice:
     best = min((c for c in cands if not c.startswith("batched")), key=score)
     threshold = -1.0
     if "batched:16" in cands and best.startswith("fused"):
-        even = min(r["ms"][best] / r["ms"]["batched:16"] * (1 + r["padding_batched16"]) - 1 for r in rows)
-        threshold = round(even, 2) if even > 0 else -1.0
+        threshold = batch_threshold(rows, best, "batched:16")
     return _choice(best, threshold, source)
+
+
+def batch_threshold(rows: list[dict], loop: str, batched: str) -> float:
+    """The padding up to which the batched GEMMs are chosen: a threshold on the rows' paddings (a decision stump)
+    minimising the geometric mean of (time of the path it picks / the row's faster of the two), placed halfway
+    to the next row's padding; -1 (never) when no threshold beats never batching."""
+    pads = sorted({r["padding_batched16"] for r in rows})
+
+    def score(tau: float) -> float:
+        return statistics.geometric_mean(
+            r["ms"][batched if r["padding_batched16"] <= tau else loop] / min(r["ms"][loop], r["ms"][batched])
+            for r in rows)
+
+    tau = min([-1.0, *pads], key=score)  # ties: the smaller threshold (never batching first)
+    if tau < 0:
+        return -1.0
+    above = [p for p in pads if p > tau]
+    return round((tau + above[0]) / 2 if above else tau, 2)
 
 
 def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
@@ -229,7 +248,7 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
             for cls in SHAPE_CLASSES:
                 if (isa, dt, cls) in table:
                     continue
-                if dt == "bfloat16" and isa in ("avx2", "other") and (isa, "float32", cls) in table:
+                if dt == "bfloat16" and isa in NO_NATIVE_BF16 and (isa, "float32", cls) in table:
                     src = table[(isa, "float32", cls)]  # no native bf16: no oneDNN bf16 kernels, as float32
                     table[(isa, dt, cls)] = replace(src, source=f"as float32 (no native bf16): {src.source}")
                     continue
@@ -287,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", nargs="+", help="layers to time (default: all: smoe fgmoe mh2 mh3 icml-h2 icml-h4)")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="dtypes to time")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per layer call")
-    ap.add_argument("--pool", type=int, default=4, help="random batches every candidate cycles through")
+    ap.add_argument("--pool", type=int, default=4, help="random batches every candidate is warmed up on")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per candidate (median reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", metavar="PATH", help="write the measurements here")

@@ -206,7 +206,8 @@ def profile_config(name: str, impl: str, dtype: torch.dtype, tokens: int, pool: 
     layer, dense = res["layer"], res["dense"]
     total, dense_total = sum(layer.values()), sum(dense.values())
     return {"config": name, "dtype": str(dtype).removeprefix("torch."), "impl": impl, "tokens": tokens,
-            "ms": layer, "ms_total": total, "dense_ms": dense, "dense_ms_total": dense_total,
+            "ms": layer, "ms_total": total, "share": {b: v / total for b, v in layer.items()},
+            "dense_ms": dense, "dense_ms_total": dense_total,
             "dense_hidden": dense_mod.experts.d_hidden, "ratio_dense": dense_total * scale / total,
             "loadavg": list(os.getloadavg())}
 

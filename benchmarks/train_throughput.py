@@ -6,9 +6,12 @@ pieces :meth:`mhmoe.train.loop.Trainer.train_step` runs) on random token batches
 whose bf16 peak is known (or with ``--peak-tflops``), the model FLOPs utilisation
 MFU = 3 x FLOPs/token x tokens/s / peak.
 
-Timing: ``--warmup`` untimed steps, then the median of ``--steps`` timed steps (CUDA steps are
-synchronised). Prints a markdown table and, with ``--json PATH``, writes the rows plus a ``machine``
-object (CPU model, threads, torch version, devices)::
+Timing: the presets are built together and timed **round-robin** in one process: ``--warmup`` untimed
+steps each, then ``--steps`` rounds in which every preset runs one step in turn; the median per preset (CUDA
+steps are synchronised), split into forward + backward and the rest (clipping, optimizer, balance step).
+``vs dense``: tokens/s over the same family's dense preset's (``tiny-mh3`` -> ``tiny-dense``) times the
+ratio of FLOPs per token (1.00: the same FLOP rate). Prints a markdown table and, with ``--json PATH``, writes
+the rows plus a ``machine`` object (CPU model and ISA, threads, torch version, devices, load averages)::
 
     python benchmarks/train_throughput.py                                  # the 9 tiny-* presets
     python benchmarks/train_throughput.py --presets tiny-dense tiny-smoe tiny-mh3 --json bench.json
@@ -57,8 +60,12 @@ def cpu_model() -> str:
 
 
 def machine_info(devices: list[str]) -> dict[str, Any]:
+    from mhmoe.runtime.cpu import ISA_NAMES, cpu_isa
+
     info: dict[str, Any] = {
         "cpu": cpu_model(),
+        "isa": ISA_NAMES[cpu_isa()],
+        "loadavg": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -77,9 +84,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup: int,
-                 batch_size: int | None = None, seq_len: int | None = None, seed: int = 0,
-                 overrides: list[str] | None = None, peak_tflops: float | None = None) -> dict[str, Any]:
+def prepare_preset(name: str, device: torch.device, dtype: str, batch_size: int | None = None,
+                   seq_len: int | None = None, seed: int = 0, overrides: list[str] | None = None,
+                   peak_tflops: float | None = None, batches: int = 4):
+    """(step, row): ``step(i)`` runs one full optimizer step on batch ``i`` (of ``batches`` random ones) and returns
+    its (total, forward + backward, clipping + optimizer + balance) seconds; ``row`` holds the preset's facts."""
     run = get_preset(name)
     sets = [f"train.dtype={dtype}", *(overrides or [])]
     if batch_size:
@@ -96,55 +105,92 @@ def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup
     opt = build_optimizer(model, cfg, fused=par.fused_optimizer)
     g = torch.Generator(device="cpu").manual_seed(seed)
     V, B, T = run.model.vocab_size, cfg.batch_size, cfg.seq_len
-    batches = [torch.randint(0, V, (B, T + 1), generator=g).to(device) for _ in range(min(4, warmup + steps))]
+    data = [torch.randint(0, V, (B, T + 1), generator=g).to(device) for _ in range(batches)]
+    model.train()
 
-    def step(i: int) -> float:
-        batch = batches[i % len(batches)]
+    def step(i: int) -> tuple[float, float, float]:
+        batch = data[i % len(data)]
         _sync(device)
         t0 = time.perf_counter()
         with autocast_ctx(device, cfg.dtype):
             out = model(batch[:, :-1], batch[:, 1:])
         (out.loss + out.aux_loss).backward()
+        _sync(device)
+        t1 = time.perf_counter()
         gnorm = par.finish_grads(model, cfg.grad_clip or math.inf, torch.isfinite(out.loss + out.aux_loss))
         par.optimizer_step(opt, torch.isfinite(gnorm))
         opt.zero_grad(set_to_none=True)
         if out.routing:
             model.balance_step(out.routing, torch.isfinite(gnorm))
         _sync(device)
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return t2 - t0, t1 - t0, t2 - t1
 
-    model.train()
+    row = {"preset": name, "overrides": list(overrides or []), "device": device.type, "dtype": dtype,
+           "params": model.num_params(), "fwd_flops_per_token": flops, "batch_size": B, "seq_len": T,
+           "tokens_per_step": B * T, "peak_tflops": peak_tflops or (bf16_peak_tflops(device) if dtype == "bfloat16"
+                                                                     else None)}
+    return step, row
+
+
+def _finish(row: dict[str, Any], times: list[tuple[float, float, float]]) -> dict[str, Any]:
+    sec = statistics.median(t[0] for t in times)
+    peak = row["peak_tflops"]
+    row.update({"ms_per_step": sec * 1e3, "tokens_per_s": row["tokens_per_step"] / sec,
+                "ms_fwd_bwd": statistics.median(t[1] for t in times) * 1e3,
+                "ms_optimizer": statistics.median(t[2] for t in times) * 1e3,
+                "mfu": 3 * row["fwd_flops_per_token"] * row["tokens_per_step"] / sec / (peak * 1e12) if peak else None,
+                "step_times_s": [t[0] for t in times], "loadavg": list(os.getloadavg())})
+    return row
+
+
+def bench_preset(name: str, device: torch.device, dtype: str, steps: int, warmup: int,
+                 batch_size: int | None = None, seq_len: int | None = None, seed: int = 0,
+                 overrides: list[str] | None = None, peak_tflops: float | None = None) -> dict[str, Any]:
+    """One preset alone: ``warmup`` untimed steps, then the median of ``steps`` timed ones."""
+    step, row = prepare_preset(name, device, dtype, batch_size, seq_len, seed, overrides, peak_tflops)
     for i in range(warmup):
         step(i)
-    times = [step(warmup + i) for i in range(steps)]
-    sec = statistics.median(times)
-    peak = peak_tflops or (bf16_peak_tflops(device) if dtype == "bfloat16" else None)
-    return {
-        "preset": name,
-        "overrides": list(overrides or []),
-        "device": device.type,
-        "dtype": dtype,
-        "params": model.num_params(),
-        "fwd_flops_per_token": flops,
-        "batch_size": B,
-        "seq_len": T,
-        "tokens_per_step": B * T,
-        "ms_per_step": sec * 1e3,
-        "tokens_per_s": B * T / sec,
-        "peak_tflops": peak,
-        "mfu": 3 * flops * B * T / sec / (peak * 1e12) if peak else None,
-        "step_times_s": times,
-    }
+    return _finish(row, [step(warmup + i) for i in range(steps)])
+
+
+def bench_round_robin(names: list[str], device: torch.device, dtype: str, steps: int, warmup: int,
+                      batch_size: int | None = None, seq_len: int | None = None, seed: int = 0,
+                      overrides: list[str] | None = None, peak_tflops: float | None = None) -> list[dict[str, Any]]:
+    """Several presets timed round-robin in one process: every timed step index runs each preset's step in turn,
+    so whatever else the machine does slows them alike (medians of ``steps``, after ``warmup`` steps each)."""
+    prepared = [prepare_preset(n, device, dtype, batch_size, seq_len, seed, overrides, peak_tflops) for n in names]
+    for i in range(warmup):
+        for step, _ in prepared:
+            step(i)
+    times: list[list[tuple[float, float, float]]] = [[] for _ in prepared]
+    for i in range(steps):
+        for k, (step, _) in enumerate(prepared):
+            times[k].append(step(warmup + i))
+    return [_finish(row, t) for (_, row), t in zip(prepared, times, strict=True)]
+
+
+def vs_dense(rows: list[dict[str, Any]]) -> None:
+    """Each row's tokens/s over its family's dense preset's (``tiny-mh3`` -> ``tiny-dense``, same device, dtype and
+    overrides), scaled by the FLOPs per token (``vs_dense`` = 1: the same FLOP rate; None without a dense row)."""
+    for r in rows:
+        family = r["preset"].split("-")[0]
+        d = next((x for x in rows if x["preset"] == f"{family}-dense" and x["device"] == r["device"]
+                  and x["dtype"] == r["dtype"] and x["overrides"] == r["overrides"]), None)
+        r["vs_dense"] = (r["tokens_per_s"] * r["fwd_flops_per_token"] / (d["tokens_per_s"] * d["fwd_flops_per_token"])
+                         if d else None)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step", "MFU"]
+    head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step", "fwd+bwd ms",
+            "optimizer ms", "vs dense", "MFU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        vs = "-" if r.get("vs_dense") is None else f"{r['vs_dense']:.2f}"
         lines.append(f"| {r['preset']} | {r['device']} | {r['dtype']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['fwd_flops_per_token'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
-                     f"{mfu} |")
+                     f"{r.get('ms_fwd_bwd', 0):.1f} | {r.get('ms_optimizer', 0):.1f} | {vs} | {mfu} |")
     return "\n".join(lines)
 
 
@@ -189,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         devices.append("cuda")
     rows = []
     for dev in devices:
-        for name in args.presets:
-            row = bench_preset(name, torch.device(dev), args.dtype, args.steps, args.warmup, args.batch_size,
-                               args.seq_len, overrides=args.overrides, peak_tflops=args.peak_tflops)
-            rows.append(row)
-            print(f"[{dev}] {name}: {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step",
+        done = bench_round_robin(args.presets, torch.device(dev), args.dtype, args.steps, args.warmup,
+                                 args.batch_size, args.seq_len, overrides=args.overrides, peak_tflops=args.peak_tflops)
+        for row in done:
+            print(f"[{dev}] {row['preset']}: {row['tokens_per_s']:,.0f} tok/s, {row['ms_per_step']:.1f} ms/step",
                   file=sys.stderr, flush=True)
+        rows += done
+    vs_dense(rows)
     machine = machine_info(devices)
     print(format_table(rows))
     print(f"\n{machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}"

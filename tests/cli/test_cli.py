@@ -304,4 +304,9 @@ def test_train_throughput_benchmark_smoke(tmp_path, capsys):
     assert [r["preset"] for r in res["rows"]] == ["tiny-dense", "tiny-mh3"]
     for r in res["rows"]:
         assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 32 and r["params"] > 0
+        assert 0 < r["ms_fwd_bwd"] <= r["ms_per_step"] and r["ms_optimizer"] > 0
+    dense, mh3 = res["rows"]  # vs dense: the FLOP rate over the family's dense preset's
+    assert dense["vs_dense"] == 1.0
+    ratio = mh3["tokens_per_s"] * mh3["fwd_flops_per_token"] / (dense["tokens_per_s"] * dense["fwd_flops_per_token"])
+    assert mh3["vs_dense"] == pytest.approx(ratio) and res["machine"]["isa"] and len(res["machine"]["loadavg"]) == 3
     assert bench.main(["--presets", "tiny-nope"]) == 2

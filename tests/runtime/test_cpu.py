@@ -48,3 +48,22 @@ def test_this_machine_is_classified(monkeypatch):
     assert native_bf16() is False and "Some CPU" in bf16_warning("cpu", "bfloat16")
     monkeypatch.setattr(cpu, "cpu_info", lambda text=None: ("Some CPU", frozenset()))  # flags unknown
     assert native_bf16() is None and bf16_warning("cpu", "bfloat16") is None  # no guess, no warning
+
+
+@pytest.mark.parametrize("text, machine, expected", [
+    (SAPPHIRE_RAPIDS, "x86_64", "amx"), (ICE_LAKE, "x86_64", "avx512"), (EPYC_AVX2, "x86_64", "avx2"),
+    ("flags\t: avx2 fma avx512f avx512bw avx512_bf16\n", "x86_64", "avx512_bf16"),  # e.g. AMD Zen 4
+    (GRAVITON3, "aarch64", "other"), ("", "x86_64", "other")])
+def test_cpu_isa_from_flags(text, machine, expected):
+    assert cpu.cpu_isa(cpu_info(text)[1], machine, env="") == expected
+
+
+def test_cpu_isa_capped_by_onednn_max_cpu_isa():
+    """ONEDNN_MAX_CPU_ISA keeps oneDNN below an ISA: the dispatch table's key follows it, never above the CPU."""
+    flags = cpu_info(SAPPHIRE_RAPIDS)[1]
+    assert cpu.cpu_isa(flags, "x86_64", env="AVX512_CORE_BF16") == "avx512_bf16"
+    assert cpu.cpu_isa(flags, "x86_64", env="avx2") == "avx2"
+    assert cpu.cpu_isa(flags, "x86_64", env="ALL") == "amx"
+    assert cpu.cpu_isa(flags, "x86_64", env="not-an-isa") == "amx"
+    assert cpu.cpu_isa(cpu_info(EPYC_AVX2)[1], "x86_64", env="AVX512_CORE_AMX") == "avx2"
+    assert cpu.ISA_NAMES[cpu.cpu_isa()] in ("AMX", "AVX-512 BF16", "AVX-512", "AVX2", "other")  # this machine
