@@ -16,6 +16,7 @@ def test_bench_moe_json_schema(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"cpu", "threads", "torch", "device", "isa"} <= set(data["machine"])
     assert data["machine"]["isa"] in ("AMX", "AVX-512 BF16", "AVX-512", "AVX2", "other")
+    assert len(data["machine"]["loadavg_before"]) == len(data["machine"]["loadavg_after"]) == 3
     assert {(r["config"], r["dtype"], r["pass"]) for r in data["rows"]} == {
         ("smoe", "float32", "fwd"), ("smoe", "float32", "fwd_bwd")}
     for r in data["rows"]:
@@ -26,6 +27,7 @@ def test_bench_moe_json_schema(tmp_path, capsys):
         assert r["ms_dense_norm"] == pytest.approx(r["ms_dense"] * r["flops_fwd"] / r["dense_flops_fwd"])
         assert r["ratio_dense"] == r["ms_dense_norm"] / r["ms_ours"] and r["tokens"] == 32
         assert r["ratio_floor"] == r["ms_floor"] / r["ms_ours"]
+        assert r["ratio_vs_smoe"] == 1.0 and r["ratio_vs_smoe_auto"] == 1.0  # smoe against itself
     assert "| smoe | float32 | fwd |" in capsys.readouterr().out
     assert main(["bench", "moe", "--configs", "huge"]) == 2
 

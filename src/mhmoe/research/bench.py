@@ -29,6 +29,8 @@ default) the input's gradient, as for any layer inside a network.
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
 import statistics
 import time
@@ -398,6 +400,7 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
     """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.research.bench_peers.installed_peers`."""
     dev = torch.device(device)
     rows: list[dict] = []
+    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     for name in configs:
         for dt in dtypes:
             if progress:
@@ -411,6 +414,9 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
         auto, base_auto = r.get(f"ms_{r.get('auto_impl')}"), base and base.get(f"ms_{base.get('auto_impl')}")
         r["ratio_vs_smoe_auto"] = auto / base_auto if auto and base_auto else None  # impl="auto" in both
     machine = machine_info(dev)
+    machine["loadavg_before"] = load_before  # 1, 5, 15-minute load averages: other work on the machine
+    machine["loadavg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine["date"] = datetime.date.today().isoformat()
     if peers:
         from mhmoe.research.bench_peers import peer_info
 
@@ -432,7 +438,7 @@ def format_rows(result: dict) -> str:
     pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
             + ["ours ms", "loop ms", "dense ms", "dense/ours", "auto", "dense/auto", "floor ms", "floor/ours",
-               "loop/ours", "vs smoe"]
+               "loop/ours", "vs smoe", "auto vs smoe"]
             + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
             + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -441,7 +447,8 @@ def format_rows(result: dict) -> str:
         cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
                   f"`{r.get('auto_impl')}`", fmt(r.get("ratio_dense_auto"), 2), fmt(r["ms_floor"]),
-                  fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2)]
+                  fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2),
+                  fmt(r.get("ratio_vs_smoe_auto"), 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         if pred:
             cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]
