@@ -24,6 +24,7 @@ batched was faster from those where the chosen ``fused`` was (:func:`batch_thres
 without a file take the entry of the nearest measured ISA (named in the entry's source)::
 
     python benchmarks/cpu_dispatch.py --measure --threads 2 --json benchmarks/results/cpu_dispatch_amx_2t.json
+    MHMOE_MALLOC=tuned python benchmarks/cpu_dispatch.py --measure ...   # glibc malloc without page faults
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/cpu_dispatch.py --measure ...   # no AMX tiles
     python benchmarks/cpu_dispatch.py --table
 """
@@ -51,6 +52,7 @@ from mhmoe.moe.dispatch.layout import batch_padding
 from mhmoe.moe.experts import DenseFFN
 from mhmoe.moe.layers import build_ffn_layer
 from mhmoe.runtime.cpu import ISAS, cpu_info, cpu_isa
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -164,6 +166,7 @@ def machine() -> dict:
 
 
 def run_measure(args: argparse.Namespace) -> int:
+    malloc_from_env()  # MHMOE_MALLOC=tuned, as the mhmoe command (recorded in the file's machine.env)
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = layer_configs()
