@@ -36,6 +36,7 @@ import datetime
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -122,9 +123,15 @@ def _step(module: torch.nn.Module, x: torch.Tensor) -> None:
     (y.float().sum() + aux).backward()
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (fresh memory the kernel mapped and zeroed: 4 KiB each)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def measure_layer(name: str, d: int, moe: MoEConfig, dtype: torch.dtype, tokens: int, pool: int,
                   repeats: int) -> dict:
-    """One row: median wall and CPU ms of every candidate and of the dense reference, round-robin on fresh batches."""
+    """One row: median wall and CPU ms of every candidate and of the dense reference, round-robin on fresh batches,
+    and the median minor page faults per call (``page_faults``: fresh memory the kernel zero-fills)."""
     probe = build_ffn_layer(d, moe)
     cls = shape_class(probe.moe.experts if hasattr(probe, "moe") else probe.experts)
     gen = torch.Generator().manual_seed(1)
@@ -142,17 +149,20 @@ def measure_layer(name: str, d: int, moe: MoEConfig, dtype: torch.dtype, tokens:
             _step(m, xs[i])
     wall: dict[str, list[float]] = {k: [] for k in mods}
     cpu: dict[str, list[float]] = {k: [] for k in mods}
+    faults: dict[str, list[int]] = {k: [] for k in mods}
     for r in range(repeats):
         for k, m in mods.items():
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
             _step(m, xs[pool + r])
             wall[k].append((time.perf_counter() - t0) * 1e3)
             cpu[k].append((time.process_time() - c0) * 1e3)
+            faults[k].append(_minor_faults() - f0)
     ms = {k: statistics.median(v) for k, v in wall.items()}
     row = {"layer": name, "class": cls, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
            "experts": moe.n_experts, "top_k": moe.top_k, "heads": moe.heads, "d_in": d // moe.heads,
            "d_hidden": moe.d_expert, "ffn": moe.ffn, "padding_batched16": statistics.mean(pads),
            "ms": ms, "cpu_ms": {k: statistics.median(v) for k, v in cpu.items()},
+           "page_faults": {k: statistics.median(v) for k, v in faults.items()},
            "dense_hidden": dense.experts.d_hidden, "dense_norm_ms": ms["dense"] * flop_ratio}
     row["ratio_dense"] = {k: row["dense_norm_ms"] / v for k, v in ms.items() if k != "dense"}
     return row
