@@ -21,11 +21,15 @@ Per (ISA, dtype, shape class): the candidate with the smallest geometric mean of
 time) over the class's layers and all files of that ISA; the batched threshold is the padding up to which the
 batched GEMMs are picked, a threshold on the layers' measured paddings that best separates the layers where
 batched was faster from those where the chosen ``fused`` was (:func:`batch_threshold`). ISAs or dtypes
-without a file take the entry of the nearest measured ISA (named in the entry's source)::
+without a file take the entry of the nearest measured ISA (:func:`_distance`; named in the entry's source), bf16
+on a CPU without native bf16 the same ISA's float32 entry. ``ONEDNN_MAX_CPU_ISA`` (with ``MKL_ENABLE_INSTRUCTIONS``
+and ``ATEN_CPU_CAPABILITY`` for AVX2) measures a narrower ISA on a wider CPU: the file's ISA follows the cap::
 
     python benchmarks/cpu_dispatch.py --measure --threads 2 --json benchmarks/results/cpu_dispatch_amx_2t.json
     MHMOE_MALLOC=tuned python benchmarks/cpu_dispatch.py --measure ...   # glibc malloc without page faults
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/cpu_dispatch.py --measure ...   # no AMX tiles
+    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_dispatch.py \
+        --measure --dtypes float32 ...                                                # AVX2 only
     python benchmarks/cpu_dispatch.py --table
 """
 
@@ -62,6 +66,7 @@ DENSE_ALIGN = 64  # the dense reference's hidden width is a multiple of this
 CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16"],
               "many": ["fused:1", "fused:16", "fused:32", "batched:16"],
               "thin_wide": ["sorted", "fused:1", "fused:32", "chunked:32"]}
+AVX512_FAMILY = ("amx", "avx512_bf16", "avx512")  # the same float32 kernels (AVX-512)
 NO_NATIVE_BF16 = ("avx512", "avx2", "other")  # bf16 converted in software: ~5-100x slower than float32, not measured
 ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "MHMOE_MALLOC")
 
@@ -244,6 +249,13 @@ def batch_threshold(rows: list[dict], loop: str, batched: str) -> float:
     return round((tau + above[0]) / 2 if above else tau, 2)
 
 
+def _distance(a: str, b: str, dtype: str) -> int:
+    """How far apart two ISAs are for filling a table gap: their distance in ISAS; in float32 (no AMX or bf16
+    instructions: AVX-512 on all three AVX-512 ISAs) any AVX-512 ISA is nearer than AVX2 or other."""
+    far = dtype == "float32" and ((a in AVX512_FAMILY) != (b in AVX512_FAMILY))
+    return abs(ISAS.index(a) - ISAS.index(b)) + (len(ISAS) if far else 0)
+
+
 def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
     """The full table from measurement files: measured entries, then the gaps from the nearest measured ISA."""
     data = [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(paths)]
@@ -256,6 +268,7 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
                 used = sorted({n for n, d in files for r in d["rows"] if r["dtype"] == dt and r["class"] == cls})
                 if rows:
                     table[(isa, dt, cls)] = choose(rows, ", ".join(used))
+    measured = dict(table)
     for isa in ISAS:
         for dt in DTYPES:
             for cls in SHAPE_CLASSES:
@@ -263,10 +276,10 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
                     continue
                 if dt == "bfloat16" and isa in NO_NATIVE_BF16 and (isa, "float32", cls) in table:
                     src = table[(isa, "float32", cls)]  # no native bf16: no oneDNN bf16 kernels, as float32
+                    # (the float32 entry: measured, or filled just before, since DTYPES lists float32 first)
                     table[(isa, dt, cls)] = replace(src, source=f"as float32 (no native bf16): {src.source}")
                     continue
-                near = sorted((i for i in ISAS if (i, dt, cls) in table),
-                              key=lambda i: abs(ISAS.index(i) - ISAS.index(isa)))
+                near = sorted((i for i in ISAS if (i, dt, cls) in measured), key=lambda i: _distance(i, isa, dt))
                 if near:
                     src = table[(near[0], dt, cls)]
                     table[(isa, dt, cls)] = replace(src, source=f"not measured; as {near[0]}: {src.source}")
