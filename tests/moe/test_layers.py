@@ -226,3 +226,38 @@ def test_aux_free_bias_moves_toward_balance():
     # the bias changes the choice, not the weights
     out = layer(torch.randn(5, 8))
     torch.testing.assert_close(out.route.weights, torch.gather(out.route.probs, 1, out.route.experts))
+
+
+@pytest.mark.parametrize("weights", [(0.01, 0.0, 0.0), (0.01, 1e-3, 0.0), (0.0, 0.0, 0.5), (0.0, 0.0, 0.0)])
+def test_router_losses_of_weight_zero_are_logged_not_trained(weights):
+    """A router loss of weight 0 is computed for the statistics without an autograd graph; the aux loss is the
+    weighted sum of the others (zero when every weight is 0), and its gradients are those of that sum."""
+    wb, wz, we = weights
+    cfg = MoEConfig(n_experts=4, top_k=2, d_expert=16, balance_loss_weight=wb, z_loss_weight=wz,
+                    entropy_loss_weight=we, impl="sorted")
+    layer = MoELayer(8, cfg)
+    x = torch.randn(2, 5, 8)
+    out = layer(x)
+    for name, w in zip(("balance", "z", "entropy"), weights, strict=True):
+        assert out.losses[name].requires_grad == (w != 0), name
+        assert torch.isfinite(out.stats.losses[name]), name  # still logged
+    expected = wb * out.losses["balance"] + wz * out.losses["z"] + we * out.losses["entropy"]
+    torch.testing.assert_close(out.aux_loss, expected)
+    assert out.aux_loss.requires_grad == any(w != 0 for w in weights)
+    if out.aux_loss.requires_grad:
+        out.aux_loss.backward()
+        assert torch.isfinite(layer.router.weight.grad).all()
+
+
+def test_a_non_finite_loss_of_weight_zero_stays_out_of_the_aux_loss():
+    """Huge router logits: the z-loss (logsumexp squared) overflows to inf; at weight 0 it is logged as inf
+    while the aux loss and the router's gradient stay finite (0 * inf would have made both NaN)."""
+    cfg = MoEConfig(n_experts=4, top_k=1, d_expert=16, balance_loss_weight=0.01, z_loss_weight=0.0, impl="sorted")
+    layer = MoELayer(8, cfg)
+    with torch.no_grad():
+        layer.router.weight.fill_(1e20)
+    out = layer(torch.ones(3, 8))
+    assert torch.isinf(out.losses["z"])
+    assert torch.isfinite(out.aux_loss)
+    out.aux_loss.backward()
+    assert torch.isfinite(layer.router.weight.grad).all()

@@ -150,9 +150,13 @@ class MoELayer(nn.Module):
             sh = self.shared(xs)
             out = out + (sh if tmask is None else sh * tmask[:, None].to(sh.dtype))
         losses = self.router_losses(route, chosen)
-        aux = (self.cfg.balance_loss_weight * losses["balance"] + self.cfg.z_loss_weight * losses["z"]
-               + self.cfg.entropy_loss_weight * losses["entropy"])
+        aux = weighted_aux(losses, self.loss_weights(), xs)
         return FFNOutput(out.reshape(shape), aux, losses, self.routing_stats(route, chosen, losses), route)
+
+    def loss_weights(self) -> dict[str, float]:
+        """The weight of each router loss in the aux loss (a loss of weight 0 is logged, not trained)."""
+        return {"balance": self.cfg.balance_loss_weight, "z": self.cfg.z_loss_weight,
+                "entropy": self.cfg.entropy_loss_weight}
 
     def dispatch(self, xs: Tensor, route: RouterOutput) -> Tensor:
         """Routed expert output xs [S, d_in] -> [S, d_in] (the ``cfg.impl`` path; expert parallelism
@@ -171,11 +175,22 @@ class MoELayer(nn.Module):
         code reading counts first choices only in the balance loss (routing.py: ``ce = mean(mask1)``)."""
         experts = route.experts[:, :1] if self.cfg.xmoe_code else route.experts
         chosen = chosen[:, :1] if self.cfg.xmoe_code else chosen
-        return {
-            "balance": load_balancing_loss(route.probs, experts, chosen, route.token_mask),
-            "z": router_z_loss(route.logits, route.token_mask),
-            "entropy": entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode),
-        }
+        w = self.loss_weights()
+        with torch.set_grad_enabled(torch.is_grad_enabled() and w["balance"] != 0):
+            balance = load_balancing_loss(route.probs, experts, chosen, route.token_mask)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and w["z"] != 0):  # weight 0: logged, no graph
+            z = router_z_loss(route.logits, route.token_mask)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and w["entropy"] != 0):
+            entropy = entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode)
+        return {"balance": balance, "z": z, "entropy": entropy}
+
+
+def weighted_aux(losses: dict[str, Tensor], weights: dict[str, float], like: Tensor) -> Tensor:
+    """Σ weight · loss over the losses of non-zero weight (a scalar; zero, on ``like``'s device, when every
+    weight is 0). A loss of weight 0 takes no part: neither its backward nor a non-finite value of it reaches
+    the aux loss."""
+    terms = [w * losses[k] for k, w in weights.items() if w != 0]
+    return sum(terms[1:], terms[0]) if terms else torch.zeros((), device=like.device)
 
 
 def _projection_mlp(d: int, n_layers: int, bias: bool, gain: float, quant: str = QUANT_NONE,

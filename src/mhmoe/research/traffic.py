@@ -248,7 +248,9 @@ def _elementwise_us(elements: float, passes: int, dev: Device, item: int) -> flo
 # counted from the ops, forward / forward + backward:
 REF_ROUTER_PASSES = (3, 12)  # softmax, top-k; backward: the weights' gradient scattered into [S, E], summed
 # into the probabilities' gradient, the softmax backward
-LOSS_PASSES = (13, 32)  # the balance, z and entropy losses MoELayer computes (all three, whatever their weights)
+LOSS_PASSES = (13, 16)  # the balance (3 forward, 3 backward), z (2) and entropy (8) losses: all three computed
+# forward for the statistics, only the balance loss differentiated at the default weights (z and entropy at
+# weight 0 take no part in the backward; with both trained the backward adds about 16 more passes)
 ROUTER_BM = 64  # tokens per program of the fused router kernels (mhmoe.moe.dispatch.triton.router)
 
 
