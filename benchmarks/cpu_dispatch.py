@@ -286,6 +286,19 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
     return table
 
 
+def _wrapped(text: str, indent: int, width: int = 96) -> str:
+    """``text`` as adjacent string literals of at most ``width`` characters, one per line, indented."""
+    parts, cur = [], ""
+    for word in text.split(" "):
+        if cur and len(cur) + 1 + len(word) > width:
+            parts.append(cur + " ")
+            cur = word
+        else:
+            cur = f"{cur} {word}" if cur else word
+    parts.append(cur)
+    return "\n".join(" " * indent + repr(p) for p in parts)
+
+
 def render(table: dict[tuple[str, str, str], CpuChoice]) -> str:
     lines = ["TABLE: dict[tuple[str, str, str], CpuChoice] = {"]
     for isa in ISAS:
@@ -293,7 +306,7 @@ def render(table: dict[tuple[str, str, str], CpuChoice]) -> str:
             for cls in SHAPE_CLASSES:
                 c = table[(isa, dt, cls)]
                 lines.append(f"    ({isa!r}, {dt!r}, {cls!r}):\n        CpuChoice({c.impl!r}, {c.align}, "
-                             f"{c.max_batch_padding!r}, {c.expert_threads!r},\n                  {c.source!r}),")
+                             f"{c.max_batch_padding!r}, {c.expert_threads!r},\n{_wrapped(c.source, 18)}),")
     return "\n".join(lines + ["}"])
 
 

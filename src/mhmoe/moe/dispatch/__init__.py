@@ -34,9 +34,9 @@ Execution paths over the same :class:`~mhmoe.moe.routers.RouterOutput` (``MoECon
   (:mod:`mhmoe.moe.dispatch.cpu_table`, per ISA, compute dtype and shape class, built from measurements);
   ``sorted`` for experts ``fused`` does not cover (biases, quantization). On CPU ``padded`` runs the
   ``fused`` function with every expert padded to the largest (one ``bmm`` per matrix).
-  ``chunked`` is the memory option (it keeps ~1/50 of the activations for thin, wide experts), not
-  the default: with tcmalloc or ``MHMOE_MALLOC=tuned`` (:mod:`mhmoe.runtime.cpu_malloc`) it was slower than
-  ``sorted`` in most rows (docs/PERFORMANCE.md, "Thin experts").
+  ``chunked`` is also the memory option (it keeps ~1/50 of the activations for thin, wide experts); the
+  table picks it where it was measured fastest (bf16 thin, wide experts on the Xeon with AMX;
+  docs/PERFORMANCE.md, "How impl=auto picks a CPU path").
 
 Quantized experts (``quant="bitnet158"``, docs/BITNET.md): ``sorted``, ``grouped_mm`` and ``loop``
 run the quantized FFN; ``fused`` and ``triton`` (hand-written backwards without biases, activation

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mhmoe.moe.experts import GroupedExperts
-from mhmoe.runtime.cpu import ISAS, cpu_isa
+from mhmoe.runtime.cpu import cpu_isa
 
 THIN_WIDTH, WIDE_HIDDEN = 128, 1024  # thin, wide experts: d_in < THIN_WIDTH and F >= WIDE_HIDDEN
 MANY_EXPERTS = 16  # "many": at least this many experts (enough for one expert thread per core)
@@ -63,8 +63,98 @@ def cpu_choice(dtype: torch.dtype, experts: GroupedExperts, isa: str | None = No
 
 # BEGIN TABLE (written by benchmarks/cpu_dispatch.py --table; do not edit by hand)
 TABLE: dict[tuple[str, str, str], CpuChoice] = {
-    (isa, dt, cls): CpuChoice("sorted" if cls == "thin_wide" else "fused", 32 if dt == "bfloat16" else 1,
-                              0.25 if dt == "bfloat16" else -1.0, True, "provisional")
-    for isa in ISAS for dt in DTYPES for cls in SHAPE_CLASSES
+    ('amx', 'float32', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'float32', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'float32', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'bfloat16', 'few'):
+        CpuChoice('fused', 16, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'bfloat16', 'many'):
+        CpuChoice('fused', 16, 0.47, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'bfloat16', 'thin_wide'):
+        CpuChoice('chunked', 32, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512_bf16', 'float32', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512_bf16', 'float32', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512_bf16', 'float32', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512_bf16', 'bfloat16', 'few'):
+        CpuChoice('fused', 16, -1.0, True,
+                  'cpu_dispatch_avx512bf16_emulated_2t_tuned.json'),
+    ('avx512_bf16', 'bfloat16', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_avx512bf16_emulated_2t_tuned.json'),
+    ('avx512_bf16', 'bfloat16', 'thin_wide'):
+        CpuChoice('fused', 32, -1.0, True,
+                  'cpu_dispatch_avx512bf16_emulated_2t_tuned.json'),
+    ('avx512', 'float32', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512', 'float32', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512', 'float32', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'not measured; as amx: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512', 'bfloat16', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as amx: cpu_dispatch_amx_2t.json, '
+                  'cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512', 'bfloat16', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as amx: cpu_dispatch_amx_2t.json, '
+                  'cpu_dispatch_amx_2t_tuned.json'),
+    ('avx512', 'bfloat16', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as amx: cpu_dispatch_amx_2t.json, '
+                  'cpu_dispatch_amx_2t_tuned.json'),
+    ('avx2', 'float32', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('avx2', 'float32', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('avx2', 'float32', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('avx2', 'bfloat16', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('avx2', 'bfloat16', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('avx2', 'bfloat16', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'float32', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'float32', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'float32', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'bfloat16', 'few'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'bfloat16', 'many'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+    ('other', 'bfloat16', 'thin_wide'):
+        CpuChoice('sorted', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
 }
 # END TABLE

@@ -19,9 +19,8 @@ Two variants (``MoEConfig.impl``):
   For thin, wide experts (MH-MoE at parameter parity with many heads: 16-48-dim sub-tokens,
   experts thousands wide) the [N, F] hidden tensors are hundreds of MB to GB per layer; ``chunked``
   keeps ~1/50 of the layer's activations for about one extra up-projection GEMM per expert. It
-  is the memory option, not the CPU default: measured faster than ``sorted`` only with glibc's
-  default malloc, which page-faults every large tensor again on every step (docs/PERFORMANCE.md,
-  "Thin experts"; :mod:`mhmoe.runtime.cpu_malloc`).
+  is the memory option, and ``impl="auto"`` runs it where the CPU dispatch table says it was the
+  fastest (:mod:`mhmoe.moe.dispatch.cpu_table`: bf16 thin, wide experts on the Xeon with AMX).
 
 Parallelism across experts (CPU): with many experts per thread, whole experts are spread over
 ``torch.get_num_threads()`` worker threads that each run single-threaded GEMMs
