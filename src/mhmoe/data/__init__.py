@@ -11,75 +11,72 @@ Entry point for the trainer::
     for x, y in iter_eval_batches(data.val["kjv"], batch_size=32, seq_len=256, max_batches=20): ...
 
 See docs/DATA.md for corpora, split rules, tokenizers and the cache format.
+
+The names below are loaded on first use: importing one module of the package (a tokenizer, the sampler)
+does not import every corpus reader.
 """
 
-from mhmoe.config.data import DataConfig
-from mhmoe.data.bpe import BPETokenizer, load_or_train_bpe, train_bpe
-from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus, registry_names
-from mhmoe.data.documents import Corpus, Document, assign_splits, chunk_text, source_hash
-from mhmoe.data.images import ImageSet, VisualCodebook, load_image_set, load_or_fit_codebook
-from mhmoe.data.manpages import MANPAGES_VAL_SETS, load_man_language, load_manpages
-from mhmoe.data.multimodal import (
-    MaskedMultimodalData,
-    MaskingConfig,
-    MultimodalBatch,
-    MultimodalConfig,
-    masked_perplexity_groups,
-    prepare_multimodal,
-    values_to_grid,
-)
-from mhmoe.data.prepare import PreparedData, epochs, prepare_data, train_tokens
-from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
-from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
-from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens, token_dtype
-from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer, load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "MANPAGES_VAL_SETS",
-    "ImageSet",
-    "MaskedMultimodalData",
-    "MaskingConfig",
-    "MultimodalBatch",
-    "MultimodalConfig",
-    "VisualCodebook",
-    "load_image_set",
-    "load_man_language",
-    "load_manpages",
-    "load_or_fit_codebook",
-    "masked_perplexity_groups",
-    "prepare_multimodal",
-    "values_to_grid",
-    "BPETokenizer",
-    "BatchSampler",
-    "ByteTokenizer",
-    "Corpus",
-    "CorpusUnavailableError",
-    "DataConfig",
-    "Document",
-    "EOS_TEXT",
-    "PreparedData",
-    "REGISTRY",
-    "TiktokenTokenizer",
-    "TokenFile",
-    "Tokenizer",
-    "assign_splits",
-    "batch_seed",
-    "chunk_text",
-    "count_eval_batches",
-    "default_cache_dir",
-    "epochs",
-    "get_pretrained_tokenizer",
-    "iter_eval_batches",
-    "load_cl100k_base",
-    "load_corpus",
-    "load_gpt2",
-    "load_or_build_tokens",
-    "load_or_train_bpe",
-    "load_tokenizer",
-    "prepare_data",
-    "registry_names",
-    "source_hash",
-    "token_dtype",
-    "train_tokens",
-    "train_bpe",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "mhmoe.config.data": ("DataConfig",),
+    "mhmoe.data.bpe": ("BPETokenizer", "load_or_train_bpe", "train_bpe"),
+    "mhmoe.data.corpora": ("REGISTRY", "CorpusUnavailableError", "load_corpus", "registry_names"),
+    "mhmoe.data.documents": ("Corpus", "Document", "assign_splits", "chunk_text", "source_hash"),
+    "mhmoe.data.images": ("ImageSet", "VisualCodebook", "load_image_set", "load_or_fit_codebook"),
+    "mhmoe.data.manpages": ("MANPAGES_VAL_SETS", "load_man_language", "load_manpages"),
+    "mhmoe.data.multimodal": (
+        "MaskedMultimodalData",
+        "MaskingConfig",
+        "MultimodalBatch",
+        "MultimodalConfig",
+        "masked_perplexity_groups",
+        "prepare_multimodal",
+        "values_to_grid",
+    ),
+    "mhmoe.data.prepare": ("PreparedData", "epochs", "prepare_data", "train_tokens"),
+    "mhmoe.data.sampler": ("BatchSampler", "batch_seed", "count_eval_batches", "iter_eval_batches"),
+    "mhmoe.data.tiktoken_tok": ("TiktokenTokenizer", "load_cl100k_base", "load_gpt2"),
+    "mhmoe.data.token_cache": ("TokenFile", "default_cache_dir", "load_or_build_tokens", "token_dtype"),
+    "mhmoe.data.tokenizer": ("EOS_TEXT", "ByteTokenizer", "Tokenizer", "get_pretrained_tokenizer", "load_tokenizer"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mhmoe.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # static analysers see the real names
+    from mhmoe.config.data import DataConfig
+    from mhmoe.data.bpe import BPETokenizer, load_or_train_bpe, train_bpe
+    from mhmoe.data.corpora import REGISTRY, CorpusUnavailableError, load_corpus, registry_names
+    from mhmoe.data.documents import Corpus, Document, assign_splits, chunk_text, source_hash
+    from mhmoe.data.images import ImageSet, VisualCodebook, load_image_set, load_or_fit_codebook
+    from mhmoe.data.manpages import MANPAGES_VAL_SETS, load_man_language, load_manpages
+    from mhmoe.data.multimodal import (
+        MaskedMultimodalData,
+        MaskingConfig,
+        MultimodalBatch,
+        MultimodalConfig,
+        masked_perplexity_groups,
+        prepare_multimodal,
+        values_to_grid,
+    )
+    from mhmoe.data.prepare import PreparedData, epochs, prepare_data, train_tokens
+    from mhmoe.data.sampler import BatchSampler, batch_seed, count_eval_batches, iter_eval_batches
+    from mhmoe.data.tiktoken_tok import TiktokenTokenizer, load_cl100k_base, load_gpt2
+    from mhmoe.data.token_cache import TokenFile, default_cache_dir, load_or_build_tokens, token_dtype
+    from mhmoe.data.tokenizer import EOS_TEXT, ByteTokenizer, Tokenizer, get_pretrained_tokenizer, load_tokenizer
