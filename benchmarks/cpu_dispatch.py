@@ -20,7 +20,8 @@ to the largest, one bmm per matrix), ``sorted``, ``chunked:A`` (thin_wide only).
 Per (ISA, dtype, shape class): the candidate with the smallest geometric mean of (time / the layer's fastest
 time) over the class's layers and all files of that ISA; the batched threshold is the padding up to which the
 batched GEMMs are picked, a threshold on the layers' measured paddings that best separates the layers where
-batched was faster from those where the chosen ``fused`` was (:func:`batch_threshold`). ISAs or dtypes
+batched was faster from those where the chosen ``fused`` was (:func:`batch_threshold`). A CPU of an ISA outranks
+emulations of it: where files from such a CPU exist, the emulated files of that ISA are not used. ISAs or dtypes
 without a file take the entry of the nearest measured ISA (:func:`_distance`; named in the entry's source), bf16
 on a CPU without native bf16 the same ISA's float32 entry. ``ONEDNN_MAX_CPU_ISA`` (with ``MKL_ENABLE_INSTRUCTIONS``
 and ``ATEN_CPU_CAPABILITY`` for AVX2) measures a narrower ISA on a wider CPU: the file's ISA follows the cap::
@@ -68,7 +69,8 @@ CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batc
               "thin_wide": ["sorted", "fused:1", "fused:32", "chunked:32"]}
 AVX512_FAMILY = ("amx", "avx512_bf16", "avx512")  # the same float32 kernels (AVX-512)
 NO_NATIVE_BF16 = ("avx512", "avx2", "other")  # bf16 converted in software: ~5-100x slower than float32, not measured
-ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "MHMOE_MALLOC")
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # set: the ISA is emulated
+ENV_KEYS = (*ISA_CAPS, "MHMOE_MALLOC")
 
 
 def layer_configs() -> dict[str, tuple[int, MoEConfig]]:
@@ -249,6 +251,11 @@ def batch_threshold(rows: list[dict], loop: str, batched: str) -> float:
     return round((tau + above[0]) / 2 if above else tau, 2)
 
 
+def emulated(measurement: dict) -> bool:
+    """Whether a measurement file's ISA was emulated: a wider CPU capped by ``ONEDNN_MAX_CPU_ISA`` (and MKL, ATen)."""
+    return any(k in measurement["machine"].get("env", {}) for k in ISA_CAPS)
+
+
 def _distance(a: str, b: str, dtype: str) -> int:
     """How far apart two ISAs are for filling a table gap: their distance in ISAS; in float32 (no AMX or bf16
     instructions: AVX-512 on all three AVX-512 ISAs) any AVX-512 ISA is nearer than AVX2 or other."""
@@ -262,6 +269,8 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
     table: dict[tuple[str, str, str], CpuChoice] = {}
     for isa in ISAS:
         files = [(n, d) for n, d in data if d["machine"]["isa"] == isa]
+        native = [(n, d) for n, d in files if not emulated(d)]
+        files = native or files  # a CPU of that ISA outranks a wider one capped to it
         for dt in DTYPES:
             for cls in SHAPE_CLASSES:
                 rows = [r for _, d in files for r in d["rows"] if r["dtype"] == dt and r["class"] == cls]

@@ -119,3 +119,22 @@ def test_table_gaps_from_the_nearest_measured_isa(tmp_path):
     assert table[("avx512_bf16", "bfloat16", "few")].source == "not measured; as amx: cpu_dispatch_a.json"
     assert table[("other", "float32", "few")].source == "not measured; as avx2: cpu_dispatch_b.json"
     assert ("amx", "float32", "many") not in table  # a class measured nowhere stays a gap
+
+
+def test_a_native_measurement_outranks_an_emulated_one(tmp_path):
+    """Files from a CPU of the ISA decide its entries; files from a wider CPU capped to it only where none exist."""
+    mod = _cpu_dispatch()
+
+    def write(name: str, env: dict, best: str) -> None:
+        ms = {"fused:1": 12.0, "fused:16": 12.0, "batched:16": 20.0, "dense": 9.0, best: 10.0}
+        rows = [{"dtype": "bfloat16", "class": "few", "ms": ms, "padding_batched16": 0.3}]
+        (tmp_path / name).write_text(json.dumps({"machine": {"isa": "avx512_bf16", "env": env}, "rows": rows}))
+
+    write("cpu_dispatch_emulated.json", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MHMOE_MALLOC": "tuned"}, "fused:16")
+    table = mod.build_table(sorted(tmp_path.glob("*.json")))
+    assert table[("avx512_bf16", "bfloat16", "few")].source == "cpu_dispatch_emulated.json"
+    assert table[("avx512_bf16", "bfloat16", "few")].align == 16
+    write("cpu_dispatch_native.json", {"MHMOE_MALLOC": "tuned"}, "fused:1")
+    table = mod.build_table(sorted(tmp_path.glob("*.json")))
+    entry = table[("avx512_bf16", "bfloat16", "few")]
+    assert (entry.source, entry.align) == ("cpu_dispatch_native.json", 1)
