@@ -4,6 +4,7 @@ training tokens (a test that wants the real count marks itself ``real_train_toke
 import pytest
 
 KJV_TRAIN_TOKENS = 875_290  # the KJV training split under the tiny presets' BPE (docs/DATA.md)
+KJV_TOKENIZER = "0123456789abcdef"  # a stand-in fingerprint
 
 
 def pytest_configure(config):
@@ -14,3 +15,5 @@ def pytest_configure(config):
 def _fixed_train_tokens(request, monkeypatch):
     if request.node.get_closest_marker("real_train_tokens") is None:
         monkeypatch.setattr("mhmoe.research.epochs.train_tokens", lambda run, progress=False: KJV_TRAIN_TOKENS)
+        monkeypatch.setattr("mhmoe.research.epochs.data_version", lambda run, progress=False: {
+            "train_tokens": KJV_TRAIN_TOKENS, "tokenizer": KJV_TOKENIZER} if run.data.task == "lm" else None)

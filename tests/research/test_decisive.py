@@ -109,7 +109,8 @@ def test_results_keep_curves_epochs_and_the_environment(tmp_path, monkeypatch):
     assert env["git"] is None or len(env["git"]["commit"]) == 40
     summary = json.loads((out / "summary.json").read_text())
     assert summary["environment"] == env and summary["primary"] == [["MH-MoE (head=3)", "SMoE"]]
-    assert summary["corpus"] == [{"name": "kjv", "train_tokens": 875_290}]
+    assert summary["corpus"] == [{"name": "kjv", "train_tokens": 875_290, "tokenizer": "0123456789abcdef",
+                                  "seeds": {"Dense": [0, 1], "SMoE": [0, 1], "MH-MoE (head=3)": [0, 1]}}]
     main_pair = next(c for c in summary["comparisons"] if c["primary"])
     assert (main_pair["a"], main_pair["b"], main_pair["n"]) == ("MH-MoE (head=3)", "SMoE", 2)
     assert main_pair["mean_diff"] == pytest.approx(-0.01) and main_pair["p_min"] == 0.5
@@ -192,3 +193,33 @@ def test_decisive_trains_for_real_on_a_small_corpus(tmp_path, capsys):
     with pytest.raises(ConfigError):
         reproduce.run_suite("decisive", out, seeds=1, tokens=256, overrides=small + ["data.corpus=kjv"],
                             progress=False, only=["Dense"], train_missing=False)
+
+
+def test_seeds_pair_only_within_one_data_version(tmp_path, monkeypatch):
+    """Records from machines whose corpus packages differ (other training tokens, another tokenizer) are kept
+    and shown, but a seed whose two runs saw different data is left out of the paired comparison."""
+    calls = []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    out, recs = tmp_path / "suite", tmp_path / "records"
+    reproduce.run_suite("decisive-pilot", out, seeds=3, progress=False, records=recs)
+    rec = json.loads(next(recs.glob("*.json")).read_text())
+    assert rec["data"] == {"train_tokens": 875_290, "tokenizer": "0123456789abcdef"} and rec["train_tokens"] == 875_290
+    summary = json.loads((out / "summary.json").read_text())
+    (main_cmp,) = [c for c in summary["comparisons"] if c["primary"]]
+    assert main_cmp["n"] == 3 and "unpaired_seeds" not in main_cmp and len(summary["corpus"]) == 1
+    for seed, data in ((1, {"train_tokens": 875_290, "tokenizer": "fedcba9876543210"}),  # same size, other BPE
+                       (2, None)):  # an older record: its training tokens only
+        path = next(p for p in recs.glob("*.json")
+                    if json.loads(p.read_text())["identity"]["train.seed"] == 1337 + seed
+                    and json.loads(p.read_text())["identity"]["model.moe.heads"] == 3)
+        r = json.loads(path.read_text())
+        r["data"] = data
+        r["train_tokens"] = 875_290 if data else 870_000
+        path.write_text(json.dumps(r))
+    reproduce.run_suite("decisive-pilot", out, seeds=3, progress=False, records=recs, train_missing=False)
+    summary = json.loads((out / "summary.json").read_text())
+    (main_cmp,) = [c for c in summary["comparisons"] if c["primary"]]
+    assert main_cmp["n"] == 1 and main_cmp["unpaired_seeds"] == [1, 2]
+    assert len(summary["corpus"]) == 3
+    md = (out / "results.md").read_text()
+    assert "3 versions of their data" in md and "seeds 1, 2 left out" in md

@@ -16,3 +16,17 @@ def train_tokens(run: RunConfig, progress: bool = False) -> int | None:
     from mhmoe.data import train_tokens as count  # the data layer's count (with a bundle: the tokens it carries)
 
     return count(prepare_data(run.data, seq_len=run.train.seq_len, progress=progress))
+
+
+def data_version(run: RunConfig, progress: bool = False) -> dict | None:
+    """What identifies the data ``run`` trains and evaluates on, beyond its config: the training split's token
+    count and the tokenizer's fingerprint (first 16 hex digits). A registry corpus read from installed packages
+    (``debdocs``) changes with their versions, and with it the BPE trained on it, so runs of one config on two
+    machines can see different text. None for a masked multi-modal run."""
+    if run.data.task != "lm":
+        return None
+    from mhmoe.data import prepare_data
+    from mhmoe.data import train_tokens as count
+
+    prepared = prepare_data(run.data, seq_len=run.train.seq_len, progress=progress)
+    return {"train_tokens": count(prepared), "tokenizer": prepared.tokenizer.fingerprint[:16]}

@@ -194,7 +194,7 @@ class _Runner:
                  runs: list[RunConfig]) -> None:
         self.name, self.out, self.store, self.progress, self.train_missing = name, out, store, progress, train_missing
         self.runs = runs
-        self.train_tokens: dict[str, int | None] = {}
+        self.versions: dict[str, dict | None] = {}
         self._env: dict | None = None
 
     def environment(self) -> dict:
@@ -213,20 +213,26 @@ class _Runner:
         print(f"[{self.name}] {p.row.label} seed {p.seed}: {what}", file=sys.stderr, flush=True)
 
     def corpus_tokens(self, run: RunConfig) -> int | None:
-        """The training tokens of ``run``'s corpus, prepared (tokenized and cached) here the first time:
-        processes sharing the store take turns (``STORE/.data.lock``), so a second one finds the cache."""
+        """The training tokens of ``run``'s corpus (:meth:`data_version`)."""
+        version = self.data_version(run)
+        return None if version is None else version["train_tokens"]
+
+    def data_version(self, run: RunConfig) -> dict | None:
+        """``run``'s data version (:func:`mhmoe.research.epochs.data_version`), its corpus prepared (tokenized
+        and cached) here the first time: processes sharing the store take turns (``STORE/.data.lock``), so a
+        second one finds the cache."""
         from filelock import FileLock
 
-        from mhmoe.research.epochs import train_tokens
+        from mhmoe.research.epochs import data_version
 
         key = repr(run.data)
-        if key not in self.train_tokens:
+        if key not in self.versions:
             make_dirs(self.store.root)
             print(f"[{self.name}] data: {run.data.corpus} (prepared once and cached; a process sharing the store "
                   "waits for it)", file=sys.stderr, flush=True)
             with FileLock(str(self.store.root / ".data.lock")):
-                self.train_tokens[key] = train_tokens(run, progress=self.progress)
-        return self.train_tokens[key]
+                self.versions[key] = data_version(run, progress=self.progress)
+        return self.versions[key]
 
     def check_epochs(self, plan: list[Planned], max_epochs: float | None) -> None:
         """Refuse runs past the suite's epoch limit and warn (one line) past :data:`EPOCH_WARNING` epochs,
@@ -262,6 +268,7 @@ class _Runner:
                 "key": rec["key"], **rec["results"], "curve": rec.get("curve") or [],
                 "train_curve": rec.get("train_curve") or [], "tokens_seen": rec.get("tokens_seen"),
                 "corpus": p.run.data.corpus, "train_tokens": rec.get("train_tokens"), "epochs": rec.get("epochs"),
+                "data": rec.get("data") or {"train_tokens": rec.get("train_tokens")},
                 "environment": rec.get("environment")}
 
     def run(self, plan: list[Planned]) -> list[dict]:
@@ -311,7 +318,7 @@ class _Runner:
             return found
         if run_dir == legacy:
             return self.find(p)
-        rec = self.store.write_record(p.run, run_dir, self.environment(), self.corpus_tokens(p.run))
+        rec = self.store.write_record(p.run, run_dir, self.environment(), self.data_version(p.run))
         return self.entry(p, rec, run_dir)
 
 

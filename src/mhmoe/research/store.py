@@ -11,8 +11,10 @@ training, data, seed, steps -- so the token budget) without the fields that do n
 cache directory; the preset name; the vocabulary size, which the tokenizer sets). A record holds the
 identity, the full config, the run's ``results.json``, its evaluation curve (every evaluation: step, tokens
 seen, loss per validation set), a thinned training-loss curve, the corpus's training tokens and the epochs
-trained, and the environment of the process that trained it (:mod:`mhmoe.research.provenance`; null when
-the record was written later from a finished run directory).
+trained, the data version (training tokens and the tokenizer's fingerprint: a corpus read from installed
+packages differs between machines whose package versions differ), and the environment of the process that
+trained it (:mod:`mhmoe.research.provenance`; null when the record was written later from a finished run
+directory).
 """
 
 from __future__ import annotations
@@ -143,10 +145,11 @@ class RunStore:
         return None
 
     def write_record(self, run: RunConfig, run_dir: Path, environment: dict | None,
-                     train_tokens: int | None = None) -> dict:
-        """Write (atomically) and return the record of the finished run in ``run_dir``."""
+                     data: dict | None = None) -> dict:
+        """Write (atomically) and return the record of the finished run in ``run_dir``; ``data``: its data version
+        (:func:`mhmoe.research.epochs.data_version`)."""
         results = read_json(run_dir / RESULTS_FILE, follow=False, what=RESULTS_FILE)
-        return self.save(make_record(run, run_dir, results, environment, train_tokens))
+        return self.save(make_record(run, run_dir, results, environment, data))
 
     def save(self, record: dict) -> dict:
         atomic_write(self.record_path(record["key"]), json.dumps(record, indent=1, ensure_ascii=False) + "\n")
@@ -154,14 +157,16 @@ class RunStore:
 
 
 def make_record(run: RunConfig, run_dir: Path, results: dict, environment: dict | None,
-                train_tokens: int | None = None) -> dict:
-    """The record of a finished run (module docstring); ``train_tokens``: the corpus's training tokens."""
+                data: dict | None = None) -> dict:
+    """The record of a finished run (module docstring); ``data``: the data version (``train_tokens``, the
+    corpus's training tokens, and ``tokenizer``, its fingerprint), None when not known."""
+    train_tokens = (data or {}).get("train_tokens")
     step = int(results.get("step") or run.train.max_steps)
     tokens_seen = step * run.train.tokens_per_step
     return {"format": RECORD_FORMAT, "key": run_key(run), "identity": identity(run), "config": run.to_dict(),
             "results": results, "curve": eval_curve(run_dir, run.train.tokens_per_step),
             "train_curve": train_curve(run_dir), "tokens_seen": tokens_seen, "train_tokens": train_tokens,
-            "epochs": round(tokens_seen / train_tokens, 4) if train_tokens else None,
+            "epochs": round(tokens_seen / train_tokens, 4) if train_tokens else None, "data": data,
             "environment": environment, "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

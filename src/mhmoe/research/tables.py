@@ -53,9 +53,39 @@ def _loss(r: dict, s: str) -> float | None:
     return float(cell["loss"]) if isinstance(cell.get("loss"), (int, float)) else math.log(float(cell["ppl"]))
 
 
+def data_key(result: dict) -> tuple:
+    """A run's data version (:func:`mhmoe.research.epochs.data_version`): (training tokens, tokenizer
+    fingerprint or None where the record predates it)."""
+    data = result.get("data") or {"train_tokens": result.get("train_tokens")}
+    return data.get("train_tokens"), data.get("tokenizer")
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Whether two runs trained and evaluated on the same data: equal training tokens, and equal tokenizer
+    fingerprints where both records have one (a corpus read from installed packages changes with their
+    versions, and its BPE with it: losses on two versions are not paired)."""
+    (ta, fa), (tb, fb) = data_key(a), data_key(b)
+    return ta == tb and (fa is None or fb is None or fa == fb)
+
+
+def data_versions(results: list[dict]) -> list[dict]:
+    """The data versions of a suite's runs: corpus, training tokens, tokenizer fingerprint and the seeds per row
+    that used each (more than one: the runs were trained on machines with different corpus packages)."""
+    out: dict[tuple, dict] = {}
+    for r in results:
+        if not r.get("corpus"):
+            continue
+        tokens, tok = data_key(r)
+        v = out.setdefault((r["corpus"], tokens, tok), {"name": r["corpus"], "train_tokens": tokens,
+                                                         "tokenizer": tok, "seeds": {}})
+        v["seeds"].setdefault(r["label"], []).append(r["seed"])
+    return list(out.values())
+
+
 def compare_rows(name: str, rows: list[Row], results: list[dict], sets: list[str]) -> list[dict]:
     """Every pair of rows (in table order, ``a`` above ``b``; a primary pair in its own order) on every
-    validation set, paired by seed: :func:`mhmoe.research.stats.compare_paired` on the losses, plus
+    validation set, paired by seed: :func:`mhmoe.research.stats.compare_paired` on the losses of the seeds whose
+    two runs saw the same data (:func:`same_data`; the others are listed as ``unpaired_seeds``), plus
     ``lower`` (the row with the lower mean loss), ``ppl_mean_diff`` (difference of mean perplexities) and
     ``primary``."""
     primary = set(suite_settings(name).primary)
@@ -64,12 +94,17 @@ def compare_rows(name: str, rows: list[Row], results: list[dict], sets: list[str
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
             first, second = (b, a) if (b, a) in primary else (a, b)
+            ra = {r["seed"]: r for r in results if r["label"] == first}
+            rb = {r["seed"]: r for r in results if r["label"] == second}
+            unpaired = sorted(k for k in set(ra) & set(rb) if not same_data(ra[k], rb[k]))
             for s in sets:
-                la = {r["seed"]: _loss(r, s) for r in results if r["label"] == first and _loss(r, s) is not None}
-                lb = {r["seed"]: _loss(r, s) for r in results if r["label"] == second and _loss(r, s) is not None}
+                la = {k: _loss(r, s) for k, r in ra.items() if _loss(r, s) is not None and k not in unpaired}
+                lb = {k: _loss(r, s) for k, r in rb.items() if _loss(r, s) is not None and k not in unpaired}
                 c = compare_paired(la, lb)
                 if c is None:
                     continue
+                if unpaired:
+                    c["unpaired_seeds"] = unpaired  # both rows ran these seeds, on different data versions
                 pa = statistics.mean(math.exp(la[k]) for k in c["seeds"])
                 pb = statistics.mean(math.exp(lb[k]) for k in c["seeds"])
                 out.append({"a": first, "b": second, "set": s, **c, "lower": first if c["mean_diff"] <= 0 else second,
@@ -98,9 +133,8 @@ def summarize_results(name: str, rows: list[Row], results: list[dict], sets: lis
                       "tokens_per_s": round(statistics.mean(r["tokens_per_s"] for r in rs)),
                       "epochs": [r.get("epochs") for r in rs], "ppl": ppl, "paper": dict(row.paper)})
     comparisons = compare_rows(name, rows, results, sets)
-    corpora = {r.get("corpus"): r.get("train_tokens") for r in results if r.get("corpus")}
     return {"suite": name, "seeds": len({r["seed"] for r in results}), "validation_sets": sets,
-            "corpus": [{"name": c, "train_tokens": t} for c, t in corpora.items()],
+            "corpus": data_versions(results),
             "primary_set": primary_set(results), "paper_columns": list(rows[0].paper), "rows": table,
             "notes": [r.note for r in rows if r.note], "primary": [list(p) for p in suite_settings(name).primary],
             "comparisons": comparisons, "separation": separation_counts(comparisons)}
@@ -114,7 +148,7 @@ def comparison_lines(summary: dict) -> list[str]:
     if main:
         lines.append(f"Primary comparison ({summary['primary_set']} validation loss, paired by seed; negative: the "
                      "first row is better):")
-        lines += [f"- {format_comparison(c, c['a'], c['b'])}" for c in main]
+        lines += [f"- {format_comparison(c, c['a'], c['b'])}" + _unpaired(c) for c in main]
         lines.append("")
     if not sep["compared"]:
         return lines
@@ -126,6 +160,25 @@ def comparison_lines(summary: dict) -> list[str]:
             worse = c["b"] if c["lower"] == c["a"] else c["a"]
             lines.append(f"- {c['set']}: {c['lower']} < {worse} (loss by {abs(c['mean_diff']):.4f} nats, "
                          f"95% CI [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}], {c['n']} seeds)")
+    return lines
+
+
+def _unpaired(c: dict) -> str:
+    seeds = c.get("unpaired_seeds")
+    return f" (seeds {', '.join(map(str, seeds))} left out: the two runs saw different data versions)" if seeds else ""
+
+
+def data_lines(summary: dict) -> list[str]:
+    """One line per data version when the runs saw more than one (machines with different corpus packages)."""
+    versions = summary.get("corpus") or []
+    if len(versions) < 2:
+        return []
+    lines = [f"The runs saw {len(versions)} versions of their data (installed corpus packages differ between the "
+             "machines that trained them); seeds are paired only within one version:"]
+    for v in versions:
+        seeds = "; ".join(f"{label} {', '.join(map(str, ks))}" for label, ks in v["seeds"].items())
+        tok = f", tokenizer {v['tokenizer']}" if v.get("tokenizer") else ""
+        lines.append(f"- {v['name']}: {v['train_tokens']:,} training tokens{tok}: {seeds}")
     return lines
 
 
@@ -155,6 +208,7 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path, bu
     lines += [f"Note: {row.note}" for row in rows if row.note]
     if line := epoch_line(results):
         lines.append(line)
+    lines += data_lines(summary)
     if budget:
         lines.append(f"Budget: {budget['minutes']:g} minutes for {sum(budget['seeds'].values())} runs of "
                      f"{len(budget['rows'])} rows on {', '.join(budget['device'])} -> {budget['tokens_per_run']:,} "
