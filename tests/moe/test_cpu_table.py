@@ -138,3 +138,21 @@ def test_a_native_measurement_outranks_an_emulated_one(tmp_path):
     table = mod.build_table(sorted(tmp_path.glob("*.json")))
     entry = table[("avx512_bf16", "bfloat16", "few")]
     assert (entry.source, entry.align) == ("cpu_dispatch_native.json", 1)
+
+
+def test_a_flop_count_leaves_the_tables_padding_out(monkeypatch):
+    """Under FlopCounterMode the fused path runs without the entry's row padding or batching, so a model's
+    measured FLOPs are the same on every CPU (an entry aligning rows to 16 would count the zero rows too)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    experts = GroupedExperts(4, 16, 32)
+    padded = cpu_table.CpuChoice("fused", 16, math.inf, True, "test")
+    monkeypatch.setattr(fused, "cpu_choice", lambda dtype, ex: padded)
+    ids = torch.tensor([[0], [1], [1], [2], [3], [3]])
+    route = RouterOutput(torch.ones(6, 1), ids, torch.ones(6, 1, dtype=torch.bool), torch.zeros(6, 4),
+                         torch.zeros(6, 4), torch.bincount(ids.flatten(), minlength=4), torch.ones(6, dtype=torch.bool))
+    x = torch.randn(6, 16)
+    with FlopCounterMode(display=False) as counter:
+        fused.fused_moe(x, route, experts)
+    assert counter.get_total_flops() == 6 * 3 * 2 * 16 * 32  # 6 rows, three GEMMs of 16 x 32
+    assert torch.allclose(fused.fused_moe(x, route, experts), fused.fused_moe(x, route, experts, align=1))

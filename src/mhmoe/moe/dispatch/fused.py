@@ -314,7 +314,9 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):  # run in the autocast dtype, autocast off inside
         dtype = torch.get_autocast_dtype(x.device.type)
-    entry = cpu_choice(dtype, experts) if x.device.type == "cpu" else None
+    # under a TorchDispatchMode (FlopCounterMode, fake tensors) the table's padding is left out: a FLOP count is
+    # the model's, the same on every CPU, not the padded rows this CPU would run
+    entry = cpu_choice(dtype, experts) if x.device.type == "cpu" and not is_in_torch_dispatch_mode() else None
     align = align if align is not None else (entry.align if entry else 1)
     if max_batch_padding is None:
         max_batch_padding = entry.max_batch_padding if entry else -1.0
