@@ -17,8 +17,9 @@ The names below are loaded on first use, so ``import mhmoe.config`` (pure Python
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mhmoe.runtime.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -34,21 +35,7 @@ _EXPORTS = {
     "mhmoe.loading.pretrained": ("Pretrained", "load"),
     "mhmoe.loading.checkpoint": ("load_latest",),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'mhmoe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 if TYPE_CHECKING:  # static analysers see the real names
     from mhmoe.config import (

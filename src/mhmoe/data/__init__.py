@@ -18,8 +18,9 @@ does not import every corpus reader.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mhmoe.runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "mhmoe.config.data": ("DataConfig",),
@@ -43,21 +44,7 @@ _EXPORTS = {
     "mhmoe.data.token_cache": ("TokenFile", "default_cache_dir", "load_or_build_tokens", "token_dtype"),
     "mhmoe.data.tokenizer": ("EOS_TEXT", "ByteTokenizer", "Tokenizer", "get_pretrained_tokenizer", "load_tokenizer"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'mhmoe.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 if TYPE_CHECKING:  # static analysers see the real names
     from mhmoe.config.data import DataConfig
