@@ -223,3 +223,4 @@ def test_seeds_pair_only_within_one_data_version(tmp_path, monkeypatch):
     assert len(summary["corpus"]) == 3
     md = (out / "results.md").read_text()
     assert "3 versions of their data" in md and "seeds 1, 2 left out" in md
+    assert "Epochs of the training corpus (870,000-875,290 tokens)" in md

@@ -186,8 +186,9 @@ def epoch_line(results: list[dict]) -> str | None:
     epochs = [r["epochs"] for r in results if r.get("epochs") is not None]
     if not epochs:
         return None
-    tokens = next((r["train_tokens"] for r in results if r.get("train_tokens")), None)
-    return (f"Epochs of the training corpus ({tokens:,} tokens) per run: {min(epochs):.3g}"
+    sizes = sorted({r["train_tokens"] for r in results if r.get("train_tokens")})  # one per data version
+    tokens = f"{sizes[0]:,}" + (f"-{sizes[-1]:,}" if len(sizes) > 1 else "") if sizes else "?"
+    return (f"Epochs of the training corpus ({tokens} tokens) per run: {min(epochs):.3g}"
             + (f"-{max(epochs):.3g}" if max(epochs) != min(epochs) else "") + ".")
 
 
