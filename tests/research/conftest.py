@@ -14,6 +14,5 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _fixed_train_tokens(request, monkeypatch):
     if request.node.get_closest_marker("real_train_tokens") is None:
-        monkeypatch.setattr("mhmoe.research.epochs.train_tokens", lambda run, progress=False: KJV_TRAIN_TOKENS)
         monkeypatch.setattr("mhmoe.research.epochs.data_version", lambda run, progress=False: {
             "train_tokens": KJV_TRAIN_TOKENS, "tokenizer": KJV_TOKENIZER} if run.data.task == "lm" else None)

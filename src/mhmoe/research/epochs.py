@@ -6,18 +6,6 @@ from __future__ import annotations
 from mhmoe.config.run import RunConfig
 
 
-def train_tokens(run: RunConfig, progress: bool = False) -> int | None:
-    """The training split's token count under ``run``'s data config and tokenizer (the prepared, cached
-    token file or the data bundle: tokenized once, then read back); None for a masked multi-modal run,
-    whose training data is not one token stream."""
-    if run.data.task != "lm":
-        return None
-    from mhmoe.data import prepare_data
-    from mhmoe.data import train_tokens as count  # the data layer's count (with a bundle: the tokens it carries)
-
-    return count(prepare_data(run.data, seq_len=run.train.seq_len, progress=progress))
-
-
 def data_version(run: RunConfig, progress: bool = False) -> dict | None:
     """What identifies the data ``run`` trains and evaluates on, beyond its config: the training split's token
     count and the tokenizer's fingerprint (first 16 hex digits). A registry corpus read from installed packages
