@@ -30,6 +30,8 @@ else
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
 endif
 	$(BIN)/python -m pip check
+	@# the C++ CPU expert loop, built now rather than on first use (where it cannot build, the Python loop runs)
+	-$(BIN)/python -m mhmoe.moe.dispatch.native
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.moe.dispatch.cpu_table import cpu_choice
 from mhmoe.moe.dispatch.layout import RowLayout, row_layout
+from mhmoe.moe.dispatch.native import expert_ops
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -136,7 +138,7 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, layout: RowLayout,
-                chunk: int, workers: int) -> Tensor:
+                chunk: int, workers: int, native: Any | None = None) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         R = layout.rows
@@ -158,14 +160,17 @@ class _FusedMoE(torch.autograd.Function):
                 a = F.silu(a1).mul_(a3)
             torch.mm(a, w2[e], out=ys[r])
 
+        native = native if store and not layout.batched else None
         if layout.batched:
             _batched_forward(xs, w1, w2, w3, h1, h3, ys[:R])
+        elif native is not None:  # the same loop in C++ (mhmoe.moe.dispatch.native)
+            native.expert_forward(xs, w1, w2, w3, h1, h3, ys[:R], layout.starts, layout.sizes, workers)
         else:
             _run_blocks(_blocks(layout.sizes, chunk), block, workers)
         # out[s] = sum_k w[s,k] ys[inv[s,k]]: gather and weighted sum over the K slots in one kernel
         out = F.embedding_bag(layout.inv.view(S, K), ys, mode="sum", per_sample_weights=weights)
         ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3)
-        ctx.layout, ctx.chunk, ctx.workers = layout, chunk, workers
+        ctx.layout, ctx.chunk, ctx.workers, ctx.native = layout, chunk, workers, native
         return out
 
     @staticmethod
@@ -186,12 +191,16 @@ class _FusedMoE(torch.autograd.Function):
             dxs[R].zero_()
         if layout.batched:
             gw1, gw2, gw3 = _batched_backward(xs, h1, h3, g, w1, w2, w3, dxs[:R] if need_dx else None)
+        elif ctx.native is not None:
+            gw1, gw2, *rest = ctx.native.expert_backward(xs, h1, h3, g, w1, w2, w3, dxs[:R] if need_dx else None,
+                                                         layout.starts, layout.sizes, ctx.workers)
+            gw3 = rest[0] if rest else None
         else:
             gw1, gw2, gw3 = _blocks_backward(xs, h1, h3, g, w1, w2, w3, dxs, layout, chunk, ctx.workers)
         dweights = dw_rows.index_select(0, layout.inv).view(S, K)
         # dx[s] = sum_k dxs[row of slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
         dx = F.embedding_bag(layout.inv.view(S, K), dxs, mode="sum") if need_dx else None
-        return dx, dweights, gw1, gw2, gw3, None, None, None
+        return dx, dweights, gw1, gw2, gw3, None, None, None, None
 
 
 def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tensor, w1: Tensor, w2: Tensor,
@@ -293,7 +302,8 @@ def expert_workers(counts: list[int], device: torch.device) -> int:
 
 
 def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: int = 0,
-              workers: int | None = None, align: int | None = None, max_batch_padding: float | None = None) -> Tensor:
+              workers: int | None = None, align: int | None = None, max_batch_padding: float | None = None,
+              native: bool | None = None) -> Tensor:
     """Fused dropless MoE (bias-free experts). x: [S, D] -> [S, D].
 
     ``chunk`` > 0 gives the ``chunked`` variant: rows in chunks of ``chunk``, hidden recomputed in
@@ -302,7 +312,10 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     ``align``: every expert's rows padded to a multiple of ``align`` with zero rows (the GEMM shapes repeat from
     step to step); ``max_batch_padding``: all experts run as one ``bmm`` per matrix, every expert padded to the
     largest, when that pads at most this fraction of the rows (``inf``: always; negative: never; ``chunk`` and
-    ``workers`` then do not apply): :mod:`mhmoe.moe.dispatch.layout`. None: the CPU dispatch table's values
+    ``workers`` then do not apply): :mod:`mhmoe.moe.dispatch.layout`. ``native``: the per-expert loop (not
+    chunked, not batched) in C++ (:mod:`mhmoe.moe.dispatch.native`; None: on a CPU where it builds, for calls
+    that train -- forward-only calls (evaluation, generation, the export check) run the Python loop, bit-identical
+    to the exported model's code; False: the Python loop). None: the CPU dispatch table's values
     (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere; the table also says whether
     ``workers=None`` may use expert threads.
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
@@ -325,8 +338,18 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     if workers is None:
         threads = entry is None or entry.expert_threads
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
+    ops = None
+    # under a dispatch mode the loop's ATen ops must stay visible (FLOP counts)
+    if native is not False and x.device.type == "cpu" and not chunk and not is_in_torch_dispatch_mode() and (
+            native or (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                       for t in (x, route.weights, *ws)))):
+        ops = expert_ops(dtype)
+        if ops is None and native:
+            raise ValueError("invalid native=True: the C++ CPU expert loop is not available here "
+                             "(float32/bfloat16 rows, a C++ compiler and ninja, MHMOE_NATIVE unset)")
     with torch.autocast(x.device.type, enabled=False):
-        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers)
+        return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
+                               ops)
 
 
 def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, align: int | None = None) -> Tensor:

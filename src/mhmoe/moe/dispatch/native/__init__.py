@@ -1,0 +1,108 @@
+"""The fused path's CPU expert loop in C++ (``expert_loop.cpp``), compiled on first use.
+
+What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
+same order -- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop
+makes about seven passes over each [C, F] hidden block) and no Python between the kernels; experts are spread
+over the intra-op threads in C++. Why C++ and not ``torch.compile``: the loop's row counts change every step
+(recompiles), and a compiled function's per-call overhead is as large as the per-expert work it would save
+(docs/PERFORMANCE.md).
+
+How it is built: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``, a dependency)
+into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), once per
+machine, ISA and source version: about 10-20 s. ``python -m mhmoe.moe.dispatch.native`` builds it ahead of
+time (``make install`` does). Where it cannot be built the fused path runs its Python loop (one warning);
+``MHMOE_NATIVE=0`` turns it off.
+
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` (schemas in the .cpp file).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("expert_loop.cpp")
+# ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
+               "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+DTYPES = (torch.float32, torch.bfloat16)
+log = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    """False when ``MHMOE_NATIVE=0`` (the Python loop only)."""
+    return os.environ.get("MHMOE_NATIVE", "1") != "0"
+
+
+def capability() -> str:
+    """The vector ISA torch dispatches its CPU kernels to here (``AVX512``, ``AVX2``, ``DEFAULT``, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _ninja_dir() -> str | None:
+    """Where the ``ninja`` package put its executable when it is not on PATH (a venv run without activation)."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return getattr(ninja, "BIN_DIR", None)
+
+
+def build(verbose: bool = False) -> None:
+    """Compile (or load from the cache) the extension for this CPU's ISA; raises where that fails."""
+    from torch.utils.cpp_extension import load
+
+    cap = capability()
+    extra = _ninja_dir()
+    path = os.environ.get("PATH", "")
+    if extra:  # torch runs `ninja` from PATH: the package's copy for the duration of the build
+        os.environ["PATH"] = extra + os.pathsep + path
+    try:
+        load(name=f"mhmoe_expert_loop_{cap.lower()}", sources=[str(SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(cap, [])], verbose=verbose)
+    finally:
+        if extra:
+            os.environ["PATH"] = path
+
+
+@functools.cache
+def _ops() -> Any | None:
+    """torch.ops.mhmoe_cpu after building / loading the extension once per process; None where it can't."""
+    try:
+        build()
+    except Exception as exc:  # no compiler, no ninja, no headers: the Python loop runs
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("mhmoe: the C++ CPU expert loop is not available (%s); the Python loop runs", first[:200])
+        return None
+    return torch.ops.mhmoe_cpu
+
+
+def expert_ops(dtype: torch.dtype) -> Any | None:
+    """The compiled ops for rows of ``dtype`` (float32 / bfloat16), building them on first use; None when
+    turned off (``MHMOE_NATIVE=0``), for other dtypes, or where they cannot be built."""
+    if not enabled() or dtype not in DTYPES:
+        return None
+    return _ops()
+
+
+def main() -> int:
+    """``python -m mhmoe.moe.dispatch.native``: build the extension now (prints the compiler's output)."""
+    try:
+        build(verbose="-v" in sys.argv)
+    except Exception as exc:
+        print(f"mhmoe: the C++ CPU expert loop could not be built: {str(exc).strip()[:300]}", file=sys.stderr)
+        return 1
+    print(f"mhmoe: C++ CPU expert loop ready ({capability()})")
+    return 0

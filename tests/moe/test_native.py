@@ -1,0 +1,155 @@
+"""The C++ CPU expert loop (mhmoe.moe.dispatch.native) against the per-expert loop oracle and the Python loop.
+
+Where a C++ compiler and ninja exist the extension must build (a broken build fails here instead of silently
+running the Python loop); elsewhere the comparisons skip and only the fallback is tested.
+"""
+
+import dataclasses
+import logging
+import shutil
+
+import pytest
+import torch
+from moe.test_fused import CASES, _grads, _route
+from torch.utils.flop_counter import FlopCounterMode
+
+from mhmoe.moe.dispatch import native
+from mhmoe.moe.dispatch.fused import fused_moe
+from mhmoe.moe.experts import GroupedExperts
+from mhmoe.moe.reference import loop_moe
+
+CAN_BUILD = bool(shutil.which("c++") or shutil.which("g++")) and (shutil.which("ninja") or native._ninja_dir())
+needs_ext = pytest.mark.skipif(native.expert_ops(torch.float32) is None, reason="C++ CPU expert loop not built here")
+
+
+def test_extension_builds_where_a_compiler_exists():
+    if not CAN_BUILD:
+        pytest.skip("no C++ compiler or ninja")
+    assert native.expert_ops(torch.float32) is not None
+    assert native.expert_ops(torch.bfloat16) is not None
+    assert native.expert_ops(torch.float16) is None  # the Python loop runs other dtypes
+
+
+@needs_ext
+@pytest.mark.parametrize("S, E, K, D, Fh, ffn, chunk, skew, capacity", CASES)
+@pytest.mark.parametrize("workers, align", [(1, 1), (2, 1), (3, 8)])
+def test_native_matches_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacity, workers, align):
+    gen = torch.Generator().manual_seed(S * 100 + E)
+    torch.manual_seed(S)
+    experts = GroupedExperts(E, D, Fh, ffn, init_std=0.3)
+    x = torch.randn(S, D, generator=gen, requires_grad=True)
+    route = _route(S, E, K, gen, skew, capacity)
+    got, g_got = _grads(lambda *a: fused_moe(*a, workers=workers, align=align, native=True), x, route, experts)
+    want, g_want = _grads(loop_moe, x, route, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if skew >= 4.0:  # empty experts get exactly zero weight gradients
+        empty = torch.bincount(route.experts[route.valid], minlength=E) == 0
+        assert empty.any() and torch.equal(experts.w1.grad[empty], torch.zeros_like(experts.w1.grad[empty]))
+
+
+@needs_ext
+@pytest.mark.parametrize("ffn", ["swiglu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_native_is_bit_identical_to_the_python_loop(ffn, dtype, workers):
+    """The same GEMMs in the same order and the element-wise formulas of ATen's kernels, rounded to the dtype
+    where the Python loop stores an intermediate: every output and gradient equal, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    experts = GroupedExperts(6, 16, 72, ffn, init_std=0.3).to(dtype)  # 72: blocks not a multiple of the vectors
+    x32 = torch.randn(90, 16, generator=gen)
+    route32 = _route(90, 6, 2, gen, skew=1.0)
+    results = {}
+    for flag in (True, False):
+        x = x32.to(dtype).requires_grad_()
+        route = dataclasses.replace(route32, weights=route32.weights.detach().to(dtype).requires_grad_())
+        results[flag] = _grads(lambda *a, f=flag: fused_moe(*a, workers=workers, native=f), x, route, experts)
+    (got, g_got), (py, g_py) = results[True], results[False]
+    assert got.dtype == dtype and torch.equal(got, py)
+    for a, b in zip(g_got, g_py, strict=True):
+        assert torch.equal(a, b)
+    if dtype == torch.bfloat16 and ffn == "swiglu":  # and both within bf16 rounding of the fp32 oracle
+        experts32 = GroupedExperts(6, 16, 72, ffn)
+        experts32.load_state_dict({k: v.float() for k, v in experts.state_dict().items()})
+        want = loop_moe(x32, route32, experts32)
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02)
+
+
+@needs_ext
+def test_native_extreme_preactivations():
+    """silu and its derivative where exp(-h) over- and underflows: finite, and the Python loop's numbers."""
+    E, D, Fh, S = 3, 8, 40, 30
+    experts = GroupedExperts(E, D, Fh, "swiglu", init_std=30.0)  # pre-activations of several hundred
+    x = torch.randn(S, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    route = _route(S, E, 2, torch.Generator().manual_seed(4))
+    got, g_got = _grads(lambda *a: fused_moe(*a, native=True), x, route, experts)
+    want, g_want = _grads(lambda *a: fused_moe(*a, native=False), x, route, experts)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    for a, b in zip(g_got, g_want, strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@needs_ext
+def test_native_without_input_gradient():
+    experts = GroupedExperts(4, 8, 32, "swiglu")
+    x = torch.randn(20, 8)  # no grad: the rows' input gradients are not computed
+    route = _route(20, 4, 2, torch.Generator().manual_seed(1))
+    out = fused_moe(x, route, experts, native=True)
+    out.sum().backward()
+    want = loop_moe(x, route, experts)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert experts.w1.grad is not None and route.weights.grad is not None
+
+
+@needs_ext
+def test_flop_counts_see_the_python_loop():
+    """Under a TorchDispatchMode the Python loop runs (its GEMMs are counted): the same FLOPs either way."""
+    experts = GroupedExperts(4, 8, 32, "swiglu")
+    x = torch.randn(20, 8, requires_grad=True)
+    route = _route(20, 4, 2, torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as fc:  # native=None: the C++ loop wherever no mode is active
+        fused_moe(x, route, experts)
+    assert fc.get_total_flops() == 3 * 2 * 40 * 8 * 32  # 40 routed rows, three GEMMs of [40, 8] x [8, 32]
+
+
+def test_turned_off_and_unavailable(monkeypatch, caplog):
+    monkeypatch.setenv("MHMOE_NATIVE", "0")
+    assert native.expert_ops(torch.float32) is None
+    experts = GroupedExperts(3, 8, 16, "swiglu")
+    x = torch.randn(10, 8)
+    route = _route(10, 3, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="invalid native=True"):
+        fused_moe(x, route, experts, native=True)
+    torch.testing.assert_close(fused_moe(x, route, experts), loop_moe(x, route, experts), rtol=1e-5, atol=1e-6)
+    monkeypatch.delenv("MHMOE_NATIVE")
+
+    def broken(verbose=False):
+        raise RuntimeError("Error building extension 'mhmoe_expert_loop'\nlong compiler output")
+
+    monkeypatch.setattr(native, "build", broken)
+    native._ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mhmoe.moe.dispatch.native"):
+            assert native.expert_ops(torch.float32) is None
+        assert "not available (Error building extension 'mhmoe_expert_loop')" in caplog.text
+        torch.testing.assert_close(fused_moe(x, route, experts), loop_moe(x, route, experts), rtol=1e-5, atol=1e-6)
+    finally:
+        native._ops.cache_clear()
+
+
+def test_forward_only_calls_run_the_python_loop(monkeypatch):
+    """Evaluation, generation and the export check (no gradients) never ask for the compiled loop."""
+    from mhmoe.moe.dispatch import fused
+
+    asked = []
+    monkeypatch.setattr(fused, "expert_ops", lambda dtype: asked.append(dtype))
+    experts = GroupedExperts(3, 8, 16, "swiglu")
+    x = torch.randn(10, 8)
+    route = _route(10, 3, 2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fused_moe(x, route, experts)
+    assert asked == []
+    fused_moe(x, route, experts)  # the experts' weights want gradients: a training call
+    assert asked == [torch.float32]
