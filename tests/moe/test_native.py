@@ -153,3 +153,24 @@ def test_forward_only_calls_run_the_python_loop(monkeypatch):
     assert asked == []
     fused_moe(x, route, experts)  # the experts' weights want gradients: a training call
     assert asked == [torch.float32]
+
+
+@needs_ext
+def test_expert_threads_leave_the_callers_thread_count():
+    """The Python loop's expert threads (each sets one intra-op thread, which torch applies process-wide) must not
+    leave the process on one thread: a C++ expert-parallel call after them left every later op single-threaded."""
+    from mhmoe.moe.dispatch import fused
+
+    fused._expert_pool.cache_clear()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        experts = GroupedExperts(8, 8, 16, "swiglu")
+        x = torch.randn(64, 8, requires_grad=True)
+        route = _route(64, 8, 2, torch.Generator().manual_seed(0))
+        fused_moe(x, route, experts, workers=2, native=False).sum().backward()
+        fused_moe(x, route, experts, workers=2, native=True).sum().backward()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+        fused._expert_pool.cache_clear()
