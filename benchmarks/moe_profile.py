@@ -103,6 +103,8 @@ def classify(ev, ancestors: list[str], dims: dict, wgrads: set[int] = frozenset(
             return "experts wgrad"
         return "experts dgrad" if bwd else "experts fwd"
     short = name.removeprefix("aten::")
+    if name.startswith("mhmoe::swiglu"):  # the C++ loop's fused SwiGLU passes (mhmoe.moe.dispatch.native)
+        return "elementwise"
     if any(ancestor.startswith("mhmoe::router") for ancestor in ancestors):
         return "router"
     if any(s and s[-1] == dims["experts"] for s in ev.input_shapes or []):  # [S, E] scores and their gradients

@@ -199,4 +199,3 @@ def test_input_without_grad_skips_dx_and_keeps_weight_grads(chunk):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_got[1:], g_want[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -181,6 +182,7 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         Tensor a3 = h3->narrow(0, r0, C);
         at::mm_out(a3, x, (*w3)[e]);
         act = at::empty_like(a1);
+        RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
         swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
                                  act.mutable_data_ptr<scalar_t>(), a1.numel());
       } else {
@@ -224,25 +226,36 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
       Tensor gw1e = gw1[e], gw2e = gw2[e];
       if (glu) {
         Tensor a3 = h3->narrow(0, r0, C), act = at::empty_like(da), dh3 = at::empty_like(da);
-        swiglu_backward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
-                                  da.mutable_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(),
-                                  dh3.mutable_data_ptr<scalar_t>(), da.numel());
-        at::mm_out(gw2e, act.t(), g);
+        {
+          RECORD_FUNCTION("mhmoe::swiglu_backward", std::vector<c10::IValue>());
+          swiglu_backward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
+                                    da.mutable_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(),
+                                    dh3.mutable_data_ptr<scalar_t>(), da.numel());
+        }
         Tensor gw3e = gw3[e];
-        at::mm_out(gw3e, xt, dh3);
+        {
+          RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
+          at::mm_out(gw2e, act.t(), g);
+          at::mm_out(gw3e, xt, dh3);
+        }
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
           at::mm_out(dx, dh3, (*w3)[e].t());
           dx.addmm_(da, w1[e].t());
         }
       } else {
-        at::mm_out(gw2e, at::relu(a1).t(), g);
+        Tensor act = at::relu(a1);
+        {
+          RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
+          at::mm_out(gw2e, act.t(), g);
+        }
         da = at::threshold_backward(da, a1, 0);
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
           at::mm_out(dx, da, w1[e].t());
         }
       }
+      RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
       at::mm_out(gw1e, xt, da);
     });
   });
