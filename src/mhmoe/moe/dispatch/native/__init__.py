@@ -89,6 +89,7 @@ def _ops() -> Any | None:
     return torch.ops.mhmoe_cpu
 
 
+@torch.compiler.disable  # a build and a library load: never traced (the fused path breaks the graph anyway)
 def expert_ops(dtype: torch.dtype) -> Any | None:
     """The compiled ops for rows of ``dtype`` (float32 / bfloat16), building them on first use; None when
     turned off (``MHMOE_NATIVE=0``), for other dtypes, or where they cannot be built."""
