@@ -49,16 +49,14 @@ CASES = [  # S, E, K, D, F, ffn, chunk, skew, capacity
 ]
 
 
-@pytest.mark.parametrize("S, E, K, D, Fh, ffn, chunk, skew, capacity", CASES)
-@pytest.mark.parametrize("variant", ["fused", "chunked"])
-def test_fused_paths_match_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacity, variant):
+def check_against_oracle_fp32(fn, S, E, K, D, Fh, ffn, skew, capacity):
+    """``fn(x, route, experts)`` on one of :data:`CASES` against the loop oracle: outputs and every gradient."""
     gen = torch.Generator().manual_seed(S * 100 + E)
     torch.manual_seed(S)
     experts = GroupedExperts(E, D, Fh, ffn, init_std=0.3)
     x = torch.randn(S, D, generator=gen, requires_grad=True)
     route = _route(S, E, K, gen, skew, capacity)
-    c = chunk if variant == "chunked" else 0
-    got, g_got = _grads(lambda *a: fused_moe(*a, chunk=c), x, route, experts)
+    got, g_got = _grads(fn, x, route, experts)
     want, g_want = _grads(loop_moe, x, route, experts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_got, g_want, strict=True):
@@ -66,6 +64,13 @@ def test_fused_paths_match_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacit
     if skew >= 4.0:  # empty experts get exactly zero weight gradients
         empty = torch.bincount(route.experts[route.valid], minlength=E) == 0
         assert empty.any() and torch.equal(experts.w1.grad[empty], torch.zeros_like(experts.w1.grad[empty]))
+
+
+@pytest.mark.parametrize("S, E, K, D, Fh, ffn, chunk, skew, capacity", CASES)
+@pytest.mark.parametrize("variant", ["fused", "chunked"])
+def test_fused_paths_match_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacity, variant):
+    c = chunk if variant == "chunked" else 0
+    check_against_oracle_fp32(lambda *a: fused_moe(*a, chunk=c), S, E, K, D, Fh, ffn, skew, capacity)
 
 
 def test_chunked_bf16_close_to_fp32_oracle():

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from moe.test_fused import CASES, _grads, _route
+from moe.test_fused import CASES, _grads, _route, check_against_oracle_fp32
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe.moe.dispatch import native
@@ -34,19 +34,8 @@ def test_extension_builds_where_a_compiler_exists():
 @pytest.mark.parametrize("S, E, K, D, Fh, ffn, chunk, skew, capacity", CASES)
 @pytest.mark.parametrize("workers, align", [(1, 1), (2, 1), (3, 8)])
 def test_native_matches_oracle_fp32(S, E, K, D, Fh, ffn, chunk, skew, capacity, workers, align):
-    gen = torch.Generator().manual_seed(S * 100 + E)
-    torch.manual_seed(S)
-    experts = GroupedExperts(E, D, Fh, ffn, init_std=0.3)
-    x = torch.randn(S, D, generator=gen, requires_grad=True)
-    route = _route(S, E, K, gen, skew, capacity)
-    got, g_got = _grads(lambda *a: fused_moe(*a, workers=workers, align=align, native=True), x, route, experts)
-    want, g_want = _grads(loop_moe, x, route, experts)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g_got, g_want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    if skew >= 4.0:  # empty experts get exactly zero weight gradients
-        empty = torch.bincount(route.experts[route.valid], minlength=E) == 0
-        assert empty.any() and torch.equal(experts.w1.grad[empty], torch.zeros_like(experts.w1.grad[empty]))
+    check_against_oracle_fp32(lambda *a: fused_moe(*a, workers=workers, align=align, native=True),
+                              S, E, K, D, Fh, ffn, skew, capacity)
 
 
 @needs_ext
