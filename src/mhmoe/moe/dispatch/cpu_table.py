@@ -82,40 +82,40 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('chunked', 32, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'few'):
-        CpuChoice('fused', 16, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'few'):
         CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'many'):
-        CpuChoice('fused', 32, -1.0, True,
+        CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 32, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'float32', 'few'):
-        CpuChoice('fused', 16, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'float32', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'bfloat16', 'few'):
-        CpuChoice('fused', 16, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'bfloat16', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx2', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
