@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mhmoe.moe.capacity import apply_capacity
-from mhmoe.moe.dispatch import THIN_WIDTH, WIDE_HIDDEN, choose_impl
+from mhmoe.moe.dispatch import IMPL_FNS, THIN_WIDTH, WIDE_HIDDEN, choose_impl
+from mhmoe.moe.dispatch.cpu_table import cpu_choice
 from mhmoe.moe.dispatch.fused import MIN_EXPERTS_PER_WORKER, _blocks, chunk_rows, chunked_moe, expert_workers, fused_moe
 from mhmoe.moe.dispatch.sorted import sorted_moe
 from mhmoe.moe.experts import GroupedExperts
@@ -124,11 +125,12 @@ def test_chunk_rows_budget():
 def test_chunked_is_explicit_and_not_for_quantized_experts():
     x = torch.randn(2, 24)
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64)) is chunked_moe
-    # CPU default (docs/PERFORMANCE.md): fused; thin, wide experts and those fused does not cover
-    # (biases) run sorted
+    # CPU default (docs/PERFORMANCE.md): fused; experts fused does not cover (biases) run sorted; thin, wide
+    # experts what this CPU's table entry says
     assert choose_impl("auto", x, GroupedExperts(8, 24, 64)) is fused_moe
     assert choose_impl("auto", x, GroupedExperts(8, 24, 64, bias=True)) is sorted_moe
-    assert choose_impl("auto", x, GroupedExperts(8, 24, WIDE_HIDDEN)) is sorted_moe  # thin and wide
+    wide = GroupedExperts(8, 24, WIDE_HIDDEN)
+    assert choose_impl("auto", x, wide) is IMPL_FNS[cpu_choice(torch.float32, wide).impl]
     wide_in = torch.randn(2, THIN_WIDTH)
     assert choose_impl("auto", wide_in, GroupedExperts(2, THIN_WIDTH, WIDE_HIDDEN)) is fused_moe
     assert choose_impl("chunked", x, GroupedExperts(8, 24, 64, quant="bitnet158")) is sorted_moe
