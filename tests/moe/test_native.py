@@ -176,3 +176,25 @@ def test_under_torch_compile():
     torch.testing.assert_close(got, want)
     for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@needs_ext
+def test_ops_refuse_inconsistent_shapes():
+    """The ops are reachable as torch.ops.mhmoe_cpu.*: shapes the fused passes would read past are refused."""
+    ops = native.expert_ops(torch.float32)
+    E, D, Fh, R = 2, 8, 16, 10
+    xs, w1, w2, w3 = torch.randn(R, D), torch.randn(E, D, Fh), torch.randn(E, Fh, D), torch.randn(E, D, Fh)
+    h1, h3, ys = torch.empty(R, Fh), torch.empty(R, Fh), torch.empty(R, D)
+    ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, [0, 4], [4, 6], 1)  # consistent: runs
+    bad = [
+        (xs, w1, w2, torch.randn(E, D, 2 * Fh), h1, h3, ys, [0, 4], [4, 6]),  # w3 wider than w1
+        (xs, w1, w2, w3, h1, torch.empty(R, 2 * Fh), ys, [0, 4], [4, 6]),  # h3 wider than h1
+        (xs, w1, w2, w3, h1, h3, ys, [0, 4], [4, 7]),  # a block past the rows
+        (xs, w1, w2, w3, h1, None, ys, [0, 4], [4, 6]),  # SwiGLU without h3
+        (xs, w1, w2, w3, h1, h3, torch.empty(R - 1, D), [0, 4], [4, 6]),  # ys too short
+    ]
+    for args in bad:
+        with pytest.raises(RuntimeError):
+            ops.expert_forward(*args, 1)
+    with pytest.raises(RuntimeError, match="dy"):
+        ops.expert_backward(xs, h1, h3, torch.randn(R - 1, D), w1, w2, w3, None, [0, 4], [4, 6], 1)

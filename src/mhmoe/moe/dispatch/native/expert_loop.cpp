@@ -155,12 +155,21 @@ void run_lanes(const std::vector<int64_t>& sizes, int64_t threads, const F& work
   });
 }
 
-void check_layout(const Tensor& xs, const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
-                  int64_t E) {
+// The shapes every op relies on (the fused passes index raw pointers): xs [R, D] contiguous, w1 (and w3) [E, D, F],
+// w2 [E, F, D], h1 (and h3) [R, F] contiguous, every expert block inside [0, R).
+void check_shapes(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
+                  const Tensor& h1, const std::optional<Tensor>& h3, const std::vector<int64_t>& starts,
+                  const std::vector<int64_t>& sizes) {
+  TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "xs must be a contiguous [R, D] tensor");
+  const int64_t R = xs.size(0), D = xs.size(1), E = w1.size(0), F = w1.size(2);
+  TORCH_CHECK(w1.dim() == 3 && w1.size(1) == D && w2.sizes() == at::IntArrayRef({E, F, D}), "w1/w2 shapes");
+  TORCH_CHECK(!w3 || w3->sizes() == w1.sizes(), "w3 must have w1's shape");
+  TORCH_CHECK(h1.is_contiguous() && h1.sizes() == at::IntArrayRef({R, F}), "h1 must be a contiguous [R, F] tensor");
+  TORCH_CHECK(w3.has_value() == h3.has_value() && (!h3 || (h3->is_contiguous() && h3->sizes() == h1.sizes())),
+              "h3 must be given with w3, a contiguous [R, F] tensor");
   TORCH_CHECK((int64_t)starts.size() == E && (int64_t)sizes.size() == E, "starts/sizes need one entry per expert");
   for (int64_t e = 0; e < E; ++e)
-    TORCH_CHECK(starts[e] >= 0 && sizes[e] >= 0 && starts[e] + sizes[e] <= xs.size(0), "expert block out of range");
-  TORCH_CHECK(xs.is_contiguous() && xs.dim() == 2, "xs must be a contiguous [R, D] tensor");
+    TORCH_CHECK(starts[e] >= 0 && sizes[e] >= 0 && starts[e] + sizes[e] <= R, "expert block out of range");
 }
 
 // Forward of every expert block: h1 = xs W1 (and h3 = xs W3 for SwiGLU; both kept for the backward),
@@ -168,8 +177,8 @@ void check_layout(const Tensor& xs, const std::vector<int64_t>& starts, const st
 void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
                     Tensor h1, std::optional<Tensor> h3, Tensor ys, std::vector<int64_t> starts,
                     std::vector<int64_t> sizes, int64_t threads) {
-  const int64_t E = w1.size(0);
-  check_layout(xs, starts, sizes, E);
+  check_shapes(xs, w1, w2, w3, h1, h3, starts, sizes);
+  TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
   const bool glu = w3.has_value();
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -203,8 +212,9 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
                                     const std::optional<Tensor>& w3, std::optional<Tensor> dxs,
                                     std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t threads) {
   const int64_t E = w1.size(0);
-  check_layout(xs, starts, sizes, E);
-  TORCH_CHECK(dy.is_contiguous() && h1.is_contiguous(), "dy and h1 must be contiguous");
+  check_shapes(xs, w1, w2, w3, h1, h3, starts, sizes);
+  TORCH_CHECK(dy.is_contiguous() && dy.sizes() == xs.sizes(), "dy must be a contiguous [R, D] tensor");
+  TORCH_CHECK(!dxs || (dxs->is_contiguous() && dxs->sizes() == xs.sizes()), "dxs must be a contiguous [R, D] tensor");
   const bool glu = w3.has_value();
   const bool transpose_x = xs.scalar_type() == at::kBFloat16;
   Tensor gw1 = at::empty_like(w1), gw2 = at::empty_like(w2);
