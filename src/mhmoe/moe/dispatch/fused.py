@@ -173,7 +173,6 @@ class _FusedMoE(torch.autograd.Function):
                 a = F.silu(a1).mul_(a3)
             torch.mm(a, w2[e], out=ys[r])
 
-        native = native if store and not layout.batched else None
         if layout.batched:
             _batched_forward(xs, w1, w2, w3, h1, h3, ys[:R])
         elif native is not None:  # the same loop in C++ (mhmoe.moe.dispatch.native)
@@ -351,18 +350,24 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     if workers is None:
         threads = entry is None or entry.expert_threads
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
-    ops = None
-    # under a dispatch mode the loop's ATen ops must stay visible (FLOP counts)
-    if native is not False and x.device.type == "cpu" and not chunk and not is_in_torch_dispatch_mode() and (
-            native or (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                       for t in (x, route.weights, *ws)))):
-        ops = expert_ops(dtype)
-        if ops is None and native:
-            raise ValueError("invalid native=True: the C++ CPU expert loop is not available here "
-                             "(float32/bfloat16 rows, a C++ compiler and ninja, MHMOE_NATIVE unset)")
+    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
+    ops = _native_ops(native, x.device, dtype, trains) if not chunk and not layout.batched else None
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
                                ops)
+
+
+def _native_ops(native: bool | None, device: torch.device, dtype: torch.dtype, trains: bool) -> Any | None:
+    """The C++ loop's ops for a per-expert loop (not chunked, not batched), or None for the Python loop: see
+    :func:`fused_moe`'s ``native``. Never under a dispatch mode (the loop's ATen ops must stay visible: FLOP
+    counts)."""
+    if native is False or device.type != "cpu" or is_in_torch_dispatch_mode() or not (native or trains):
+        return None
+    ops = expert_ops(dtype)
+    if ops is None and native:
+        raise ValueError("invalid native=True: the C++ CPU expert loop is not available here "
+                         "(float32/bfloat16 rows, a C++ compiler and ninja, MHMOE_NATIVE unset)")
+    return ops
 
 
 def chunked_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, align: int | None = None) -> Tensor:
