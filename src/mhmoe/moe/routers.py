@@ -47,6 +47,16 @@ class RouterOutput:
         return self.experts.shape[1]
 
 
+def _top_k(scores: Tensor, k: int) -> Tensor:
+    """[S, k] int64 ids of the k largest scores per row, best first: ``torch.topk``'s, from a one-pass C++ kernel
+    on a CPU (:func:`mhmoe.moe.dispatch.native.topk_indices`)."""
+    try:
+        from mhmoe.moe.dispatch.native import topk_indices
+    except ImportError:  # the exported model code (trust_remote_code) carries no C++
+        return torch.topk(scores, k, dim=-1).indices
+    return topk_indices(scores, k)
+
+
 def _counts(experts: Tensor, valid: Tensor, n_experts: int) -> Tensor:
     """[E] number of valid (token, slot) pairs per expert (no host sync)."""
     return expert_counts(experts, n_experts, valid)
@@ -90,7 +100,7 @@ class Router(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits, gate, probs = self.scores(x.float())
             choice = gate + self.selection_bias if self.aux_free else gate
-            _, experts = torch.topk(choice, self.top_k, dim=-1)
+            experts = _top_k(choice, self.top_k)
             weights = torch.gather(gate, 1, experts)
             if self.renormalize:
                 weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)

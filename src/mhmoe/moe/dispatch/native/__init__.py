@@ -1,4 +1,5 @@
-"""The fused path's CPU expert loop in C++ (``expert_loop.cpp``), compiled on first use.
+"""The fused path's CPU expert loop and the router's top-k in C++ (``expert_loop.cpp``, ``router_topk.cpp``),
+compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
 same order -- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop
@@ -16,7 +17,12 @@ machine, ISA and source version: about 10-20 s. ``python -m mhmoe.moe.dispatch.n
 time (``make install`` does). Where it cannot be built the fused path runs its Python loop (one warning);
 ``MHMOE_NATIVE=0`` turns it off.
 
-The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` (schemas in the .cpp file).
+The router's top-k (:func:`topk_indices`): one pass per row keeping the k + 1 largest scores, instead of ATen's
+copy into (value, index) pairs with ``nth_element`` and a sort (5.5 vs ~0.3 ms for 6,144 rows of 96 experts,
+one thread). Rows where equal scores or a NaN leave the choice or the order to ``torch.topk``'s tie handling are
+recomputed by ``torch.topk``, so the experts are ``torch.topk``'s on every row, with or without the extension.
+
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` (schemas in the .cpp files).
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-SOURCE = Path(__file__).with_name("expert_loop.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("expert_loop.cpp", "router_topk.cpp")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -39,6 +47,7 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_TOPK = 16  # topk_rows keeps k + 1 scores per row in registers
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +82,7 @@ def build(verbose: bool = False) -> None:
     if extra:  # torch runs `ninja` from PATH: the package's copy for the duration of the build
         os.environ["PATH"] = extra + os.pathsep + path
     try:
-        load(name=f"mhmoe_expert_loop_{cap.lower()}", sources=[str(SOURCE)], is_python_module=False,
+        load(name=f"mhmoe_expert_loop_{cap.lower()}", sources=[str(p) for p in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(cap, [])], verbose=verbose)
     finally:
         if extra:
@@ -99,6 +108,27 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
     if not enabled() or dtype not in DTYPES:
         return None
     return _ops()
+
+
+def topk_indices(scores: Tensor, k: int) -> Tensor:
+    """``torch.topk(scores, k, dim=-1).indices`` (best first), from the C++ op on a CPU. scores: [S, E] -> [S, k]
+    int64. The op flags rows with equal scores among the k + 1 largest or a NaN; those rows are ``torch.topk``'s
+    own (it decides ties by its algorithm), so the result is the same with the extension or without. ``torch.topk``
+    itself: off a CPU, for other dtypes or k (1 <= k < E, k <= 16), under ``torch.compile`` or a dispatch mode,
+    with ``MHMOE_NATIVE=0`` or where the extension cannot be built."""
+    ops = None
+    if (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and 1 <= k <= MAX_TOPK and k < scores.shape[1] and enabled()
+            and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()):
+        ops = _ops()
+    if ops is None:
+        return torch.topk(scores, k, dim=-1).indices
+    scores = scores.detach().contiguous()
+    ids, tied = ops.topk_rows(scores, k)
+    rows = tied.nonzero().squeeze(1)  # a CPU tensor: reading it is no device sync
+    if rows.numel():
+        ids.index_copy_(0, rows, torch.topk(scores.index_select(0, rows), k, dim=-1).indices)
+    return ids
 
 
 def main() -> int:
