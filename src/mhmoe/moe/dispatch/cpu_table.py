@@ -101,57 +101,66 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'float32', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'bfloat16', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'as float32 (no native bf16): cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'as float32 (no native bf16): cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx512_bf16: cpu_dispatch_avx512bf16_2t_tuned.json'),
+                  'as float32 (no native bf16): cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx2', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json, cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json, cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'float32', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
-                  'cpu_dispatch_avx2_emulated_2t_tuned.json'),
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_avx2_emulated_2t_tuned.json, cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'bfloat16', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'bfloat16', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
-                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json'),
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'float32', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
-                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'bfloat16', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('other', 'bfloat16', 'thin_wide'):
-        CpuChoice('sorted', 1, -1.0, True,
-                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json'),
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
 }
 # END TABLE
