@@ -17,11 +17,16 @@ def _reference(scores, k):
 
 @needs_ext
 @pytest.mark.parametrize("S, E, k", [(1, 2, 1), (7, 8, 2), (300, 96, 3), (64, 17, 16), (129, 33, 4), (50, 64, 6),
-                                     (40, 5, 4)])
+                                     (40, 5, 4), (3000, 24, 2)])  # the last one: rows split over threads
 def test_random_scores_equal_torch_topk(S, E, k):
     gen = torch.Generator().manual_seed(S * E + k)
     scores = torch.randn(S, E, generator=gen).softmax(-1)
-    ids, tied = torch.ops.mhmoe_cpu.topk_rows(scores, k)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids, tied = torch.ops.mhmoe_cpu.topk_rows(scores, k)
+    finally:
+        torch.set_num_threads(threads)
     assert not tied.any()  # distinct random scores: every row decided by the C++ pass alone
     assert torch.equal(ids, _reference(scores, k))
     assert torch.equal(native.topk_indices(scores, k), _reference(scores, k))
