@@ -128,6 +128,22 @@ def test_turned_off_and_unavailable(monkeypatch, caplog):
         native._ops.cache_clear()
 
 
+def test_without_sources_quietly_unavailable(monkeypatch, caplog, tmp_path):
+    """The exported model code carries this module but no C++ sources: no build is tried, nothing is logged, and
+    the router's top-k is torch.topk's."""
+    monkeypatch.setattr(native, "SOURCES", [tmp_path / "expert_loop.cpp"])
+    monkeypatch.setattr(native, "build", lambda verbose=False: pytest.fail("no build without sources"))
+    native._ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mhmoe.moe.dispatch.native"):
+            assert native.expert_ops(torch.float32) is None
+            scores = torch.rand(50, 16)
+            assert torch.equal(native.topk_indices(scores, 2), torch.topk(scores, 2, dim=-1).indices)
+        assert caplog.text == ""
+    finally:
+        native._ops.cache_clear()
+
+
 def test_forward_only_calls_run_the_python_loop(monkeypatch):
     """Evaluation, generation and the export check (no gradients) never ask for the compiled loop."""
     from mhmoe.moe.dispatch import fused

@@ -91,7 +91,10 @@ def build(verbose: bool = False) -> None:
 
 @functools.cache
 def _ops() -> Any | None:
-    """torch.ops.mhmoe_cpu after building / loading the extension once per process; None where it can't."""
+    """torch.ops.mhmoe_cpu after building / loading the extension once per process; None where it can't (one
+    warning), and quietly where the sources are absent (the exported model code carries this module, not the C++)."""
+    if not all(p.is_file() for p in SOURCES):
+        return None
     try:
         build()
     except Exception as exc:  # no compiler, no ninja, no headers: the Python loop runs
