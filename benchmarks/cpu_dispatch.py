@@ -4,7 +4,8 @@
 path, round-robin in one process (every repeat runs every candidate once in turn; medians), beside the
 aligned same-FLOPs dense FFN, and writes a JSON file that names the CPU (model, ISA, flags), the thread
 count and the load averages before and after. Layers: the ``bench moe`` configurations (shape class ``few``:
-smoe; ``many``: fgmoe, mh2, mh3) and two thin, wide icml-table5 layers (``thin_wide``: h=2, h=4). Every
+smoe; ``many``: fgmoe, mh2, mh3) at d=768, two thin, wide icml-table5 layers (``thin_wide``: h=2, h=4) and the
+MoE layers of the tiny presets (d=192, their own 4,096 tokens; ``few``: tiny-smoe, ``many``: the others). Every
 candidate sees the same random batches, so the routing (and the row count of every expert) changes from call
 to call as in training: ``--pool`` batches warm every candidate up, then every timed call gets a batch none has
 seen (the same one for every candidate in a repeat). So shapes that repeat are timed as they are in a long run
@@ -73,16 +74,26 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILIT
 ENV_KEYS = (*ISA_CAPS, "MHMOE_MALLOC")
 
 
-def layer_configs() -> dict[str, tuple[int, MoEConfig]]:
-    """name -> (d_model, MoEConfig): the ``bench moe`` configurations and the icml-table5 h=2 and h=4 layers."""
+TINY_LAYERS = ("tiny-smoe", "tiny-fgmoe", "tiny-mh2", "tiny-mh3")  # the presets CPU runs train most
+
+
+def layer_configs() -> dict[str, tuple[int, MoEConfig, int | None]]:
+    """name -> (d_model, MoEConfig, tokens per call or None for ``--tokens``): the ``bench moe`` configurations,
+    the icml-table5 h=2 and h=4 layers, and the MoE layers of the tiny presets at their own batch (16 x 256
+    tokens, d=192: small experts, where the row alignment that suits d=768 need not)."""
+    from mhmoe.config.presets import get_preset
     from mhmoe.research.bench import CONFIGS, D_MODEL
     from mhmoe.research.reproduce import SUITES
 
-    out = {name: (D_MODEL, c.moe_config("fused")) for name, c in CONFIGS.items()}
+    out: dict[str, tuple[int, MoEConfig, int | None]] = {
+        name: (D_MODEL, c.moe_config("fused"), None) for name, c in CONFIGS.items()}
     for row in SUITES["icml-table5"]:
         run = row.build("tiny")
         if run.model.moe.heads in (2, 4):
-            out[f"icml-h{run.model.moe.heads}"] = (run.model.d_model, replace(run.model.moe, impl="fused"))
+            out[f"icml-h{run.model.moe.heads}"] = (run.model.d_model, replace(run.model.moe, impl="fused"), None)
+    for name in TINY_LAYERS:
+        run = get_preset(name)
+        out[name] = (run.model.d_model, replace(run.model.moe, impl="fused"), run.train.batch_size * run.train.seq_len)
     return out
 
 
@@ -197,9 +208,9 @@ def run_measure(args: argparse.Namespace) -> int:
               "loadavg_before": list(os.getloadavg()), "tokens": args.tokens, "pool": args.pool,
               "repeats": args.repeats, "rows": []}
     for name in names:
-        d, moe = configs[name]
+        d, moe, tokens = configs[name]
         for dt in args.dtypes:
-            row = measure_layer(name, d, moe, getattr(torch, dt), args.tokens, args.pool, args.repeats)
+            row = measure_layer(name, d, moe, getattr(torch, dt), tokens or args.tokens, args.pool, args.repeats)
             result["rows"].append(row)
             best = min(row["ms"], key=lambda k: row["ms"][k] if k != "dense" else math.inf)
             print(f"[cpu_dispatch] {name} {dt}: " + " ".join(f"{k} {v:.0f}" for k, v in row["ms"].items())
@@ -351,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--measure", action="store_true", help="time the candidates on this CPU")
     mode.add_argument("--table", action="store_true", help="rewrite the table in cpu_table.py from the results")
     mode.add_argument("--check", action="store_true", help="exit 1 if the table differs from the results")
-    ap.add_argument("--layers", nargs="+", help="layers to time (default: all: smoe fgmoe mh2 mh3 icml-h2 icml-h4)")
+    ap.add_argument("--layers", nargs="+", help="layers to time (default: all: smoe fgmoe mh2 mh3 icml-h2 icml-h4 "
+                    "tiny-smoe tiny-fgmoe tiny-mh2 tiny-mh3)")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="dtypes to time")
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per layer call")
+    ap.add_argument("--tokens", type=int, default=2048,
+                    help="tokens per layer call (the tiny-* layers: their presets' batch, 4,096)")
     ap.add_argument("--pool", type=int, default=4, help="random batches every candidate is warmed up on")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per candidate (median reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
