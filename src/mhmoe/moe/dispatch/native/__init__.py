@@ -18,7 +18,7 @@ time (``make install`` does). Where it cannot be built the fused path runs its P
 ``MHMOE_NATIVE=0`` turns it off.
 
 The router's top-k (:func:`topk_indices`): one pass per row keeping the k + 1 largest scores, instead of ATen's
-copy into (value, index) pairs with ``nth_element`` and a sort (5.5 vs ~0.3 ms for 6,144 rows of 96 experts,
+copy into (value, index) pairs with ``nth_element`` and a sort (1.9 vs 5.5 ms for 6,144 rows of 96 experts,
 one thread). Rows where equal scores or a NaN leave the choice or the order to ``torch.topk``'s tie handling are
 recomputed by ``torch.topk``, so the experts are ``torch.topk``'s on every row, with or without the extension.
 
@@ -47,7 +47,7 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_TOPK = 16  # topk_rows keeps k + 1 scores per row in registers
+MAX_TOPK = 16  # topk_rows keeps the k + 1 best scores of a row in a fixed-size array
 log = logging.getLogger(__name__)
 
 
