@@ -67,6 +67,57 @@ def test_native_is_bit_identical_to_the_python_loop(ffn, dtype, workers):
 
 
 @needs_ext
+@pytest.mark.parametrize("ffn", ["swiglu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_forward_only_keeps_no_hidden_and_matches(ffn, dtype, workers, monkeypatch):
+    """Without a gradient (evaluation, generation) the C++ loop runs too, with no [R, F] hidden buffers: the
+    training forward's numbers, and the Python loop's, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    experts = GroupedExperts(6, 16, 72, ffn, init_std=0.3).to(dtype)
+    x = torch.randn(90, 16, generator=gen).to(dtype)
+    route = _route(90, 6, 2, gen, skew=1.0)
+    route = dataclasses.replace(route, weights=route.weights.detach().to(dtype))
+    trained = fused_moe(x.requires_grad_(), route, experts, workers=workers, native=True).detach()
+    x = x.detach()
+    calls = []
+    ops = native.expert_ops(dtype)
+
+    class Spy:  # the op as fused_moe calls it, recording whether hidden buffers were passed
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def expert_forward(self, *args):
+            calls.append(args[4] is None and args[5] is None)
+            return ops.expert_forward(*args)
+
+    monkeypatch.setattr("mhmoe.moe.dispatch.fused.expert_ops", lambda dtype: Spy())
+    with torch.no_grad():
+        got = fused_moe(x, route, experts, workers=workers)
+        py = fused_moe(x, route, experts, workers=workers, native=False)
+    assert calls == [True]  # native=None: the C++ loop, keeping nothing
+    assert torch.equal(got, trained) and torch.equal(got, py)
+
+
+@needs_ext
+def test_disabled_runs_the_python_loop(monkeypatch):
+    """``native.disabled()``: the Python loop and torch.topk within the block (the export check's reference),
+    the C++ loop again after it."""
+    experts = GroupedExperts(4, 8, 32, "swiglu")
+    x = torch.randn(20, 8)
+    route = _route(20, 4, 2, torch.Generator().manual_seed(1))
+    used = []
+    monkeypatch.setattr("mhmoe.moe.dispatch.fused._FusedMoE.apply",
+                        lambda *args: used.append(args[8] is not None) or torch.zeros_like(x))
+    with native.disabled():
+        assert not native.enabled() and native.expert_ops(torch.float32) is None
+        fused_moe(x, route, experts)
+    fused_moe(x, route, experts)
+    assert native.enabled() and used == [False, True]
+
+
+@needs_ext
 def test_native_extreme_preactivations():
     """silu and its derivative where exp(-h) over- and underflows: finite, and the Python loop's numbers."""
     E, D, Fh, S = 3, 8, 40, 30
@@ -144,22 +195,6 @@ def test_without_sources_quietly_unavailable(monkeypatch, caplog, tmp_path):
         native._ops.cache_clear()
 
 
-def test_forward_only_calls_run_the_python_loop(monkeypatch):
-    """Evaluation, generation and the export check (no gradients) never ask for the compiled loop."""
-    from mhmoe.moe.dispatch import fused
-
-    asked = []
-    monkeypatch.setattr(fused, "expert_ops", lambda dtype: asked.append(dtype))
-    experts = GroupedExperts(3, 8, 16, "swiglu")
-    x = torch.randn(10, 8)
-    route = _route(10, 3, 2, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        fused_moe(x, route, experts)
-    assert asked == []
-    fused_moe(x, route, experts)  # the experts' weights want gradients: a training call
-    assert asked == [torch.float32]
-
-
 @needs_ext
 def test_expert_threads_leave_the_callers_thread_count():
     """The Python loop's expert threads (each sets one intra-op thread, which torch applies process-wide) must not
@@ -202,12 +237,16 @@ def test_ops_refuse_inconsistent_shapes():
     xs, w1, w2, w3 = torch.randn(R, D), torch.randn(E, D, Fh), torch.randn(E, Fh, D), torch.randn(E, D, Fh)
     h1, h3, ys = torch.empty(R, Fh), torch.empty(R, Fh), torch.empty(R, D)
     ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, [0, 4], [4, 6], 1)  # consistent: runs
+    kept = ys.clone()
+    ops.expert_forward(xs, w1, w2, w3, None, None, ys, [0, 4], [4, 6], 1)  # forward-only: no hidden buffers
+    assert torch.equal(ys, kept)
     bad = [
         (xs, w1, w2, torch.randn(E, D, 2 * Fh), h1, h3, ys, [0, 4], [4, 6]),  # w3 wider than w1
         (xs, w1, w2, w3, h1, torch.empty(R, 2 * Fh), ys, [0, 4], [4, 6]),  # h3 wider than h1
         (xs, w1, w2, w3, h1, h3, ys, [0, 4], [4, 7]),  # a block past the rows
         (xs, w1, w2, w3, h1, None, ys, [0, 4], [4, 6]),  # SwiGLU without h3
         (xs, w1, w2, w3, h1, h3, torch.empty(R - 1, D), [0, 4], [4, 6]),  # ys too short
+        (xs, w1, w2, w3, None, h3, ys, [0, 4], [4, 6]),  # h3 kept without h1
     ]
     for args in bad:
         with pytest.raises(RuntimeError):

@@ -151,14 +151,14 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, layout: RowLayout,
-                chunk: int, workers: int, native: Any | None = None) -> Tensor:
+                chunk: int, workers: int, native: Any | None = None, keep: bool = True) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         R = layout.rows
         xs = x.index_select(0, layout.tok)  # [R, D] gather
         if layout.pad.numel():
             xs.index_fill_(0, layout.pad, 0)
-        store = chunk == 0 or layout.batched
+        store = layout.batched or (chunk == 0 and keep)  # the hidden pre-activations, kept for the backward
         h1 = x.new_empty(R, Fh) if store else None
         h3 = x.new_empty(R, Fh) if store and w3 is not None else None
         ys = x.new_empty(R + 1, D)
@@ -212,7 +212,7 @@ class _FusedMoE(torch.autograd.Function):
         dweights = dw_rows.index_select(0, layout.inv).view(S, K)
         # dx[s] = sum_k dxs[row of slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
         dx = F.embedding_bag(layout.inv.view(S, K), dxs, mode="sum") if need_dx else None
-        return dx, dweights, gw1, gw2, gw3, None, None, None, None
+        return dx, dweights, gw1, gw2, gw3, None, None, None, None, None
 
 
 def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tensor, w1: Tensor, w2: Tensor,
@@ -325,9 +325,11 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     step to step); ``max_batch_padding``: all experts run as one ``bmm`` per matrix, every expert padded to the
     largest, when that pads at most this fraction of the rows (``inf``: always; negative: never; ``chunk`` and
     ``workers`` then do not apply): :mod:`mhmoe.moe.dispatch.layout`. ``native``: the per-expert loop (not
-    chunked, not batched) in C++ (:mod:`mhmoe.moe.dispatch.native`; None: on a CPU where it builds, for calls
-    that train -- forward-only calls (evaluation, generation, the export check) run the Python loop, bit-identical
-    to the exported model's code; False: the Python loop). None: the CPU dispatch table's values
+    chunked, not batched) in C++ (:mod:`mhmoe.moe.dispatch.native`; None: on a CPU where it builds and
+    :func:`mhmoe.moe.dispatch.native.disabled` is not in force -- the export check's reference runs the Python
+    loop, the exported model's code; False: the Python loop). Forward-only calls (no gradient: evaluation,
+    generation) keep no [R, F] hidden buffers: every expert's pre-activations are freed after its GEMMs.
+    None: the CPU dispatch table's values
     (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere; the table also says whether
     ``workers=None`` may use expert threads.
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
@@ -351,17 +353,17 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
         threads = entry is None or entry.expert_threads
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
-    ops = _native_ops(native, x.device, dtype, trains) if not chunk and not layout.batched else None
+    ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
-                               ops)
+                               ops, trains)
 
 
-def _native_ops(native: bool | None, device: torch.device, dtype: torch.dtype, trains: bool) -> Any | None:
+def _native_ops(native: bool | None, device: torch.device, dtype: torch.dtype) -> Any | None:
     """The C++ loop's ops for a per-expert loop (not chunked, not batched), or None for the Python loop: see
     :func:`fused_moe`'s ``native``. Never under a dispatch mode (the loop's ATen ops must stay visible: FLOP
     counts)."""
-    if native is False or device.type != "cpu" or is_in_torch_dispatch_mode() or not (native or trains):
+    if native is False or device.type != "cpu" or is_in_torch_dispatch_mode():
         return None
     ops = expert_ops(dtype)
     if ops is None and native:

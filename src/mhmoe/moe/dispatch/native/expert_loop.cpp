@@ -156,46 +156,56 @@ void run_lanes(const std::vector<int64_t>& sizes, int64_t threads, const F& work
 }
 
 // The shapes every op relies on (the fused passes index raw pointers): xs [R, D] contiguous, w1 (and w3) [E, D, F],
-// w2 [E, F, D], h1 (and h3) [R, F] contiguous, every expert block inside [0, R).
+// w2 [E, F, D], every expert block inside [0, R).
 void check_shapes(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
-                  const Tensor& h1, const std::optional<Tensor>& h3, const std::vector<int64_t>& starts,
-                  const std::vector<int64_t>& sizes) {
+                  const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
   TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "xs must be a contiguous [R, D] tensor");
   const int64_t R = xs.size(0), D = xs.size(1), E = w1.size(0), F = w1.size(2);
   TORCH_CHECK(w1.dim() == 3 && w1.size(1) == D && w2.sizes() == at::IntArrayRef({E, F, D}), "w1/w2 shapes");
   TORCH_CHECK(!w3 || w3->sizes() == w1.sizes(), "w3 must have w1's shape");
-  TORCH_CHECK(h1.is_contiguous() && h1.sizes() == at::IntArrayRef({R, F}), "h1 must be a contiguous [R, F] tensor");
-  TORCH_CHECK(w3.has_value() == h3.has_value() && (!h3 || (h3->is_contiguous() && h3->sizes() == h1.sizes())),
-              "h3 must be given with w3, a contiguous [R, F] tensor");
   TORCH_CHECK((int64_t)starts.size() == E && (int64_t)sizes.size() == E, "starts/sizes need one entry per expert");
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(starts[e] >= 0 && sizes[e] >= 0 && starts[e] + sizes[e] <= R, "expert block out of range");
 }
 
-// Forward of every expert block: h1 = xs W1 (and h3 = xs W3 for SwiGLU; both kept for the backward),
-// ys = act(h1[, h3]) W2. xs [R, D]; w1, w3 [E, D, F]; w2 [E, F, D]; h1, h3 [R, F] and ys [R, D] written.
+// The hidden pre-activations: h1 (and h3 exactly with w3) contiguous [R, F].
+void check_hidden(const Tensor& xs, const Tensor& w1, const std::optional<Tensor>& w3, const Tensor& h1,
+                  const std::optional<Tensor>& h3) {
+  const std::vector<int64_t> shape{xs.size(0), w1.size(2)};
+  TORCH_CHECK(h1.is_contiguous() && h1.sizes() == shape, "h1 must be a contiguous [R, F] tensor");
+  TORCH_CHECK(w3.has_value() == h3.has_value() && (!h3 || (h3->is_contiguous() && h3->sizes() == shape)),
+              "h3 must be given with w3, a contiguous [R, F] tensor");
+}
+
+// Forward of every expert block: h1 = xs W1 (and h3 = xs W3 for SwiGLU), ys = act(h1[, h3]) W2. xs [R, D]; w1, w3
+// [E, D, F]; w2 [E, F, D]; ys [R, D] written. h1, h3 [R, F]: written when given (kept for the backward); without
+// them (forward-only calls) every expert's pre-activations live in blocks of its own, freed after its GEMMs.
 void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
-                    Tensor h1, std::optional<Tensor> h3, Tensor ys, std::vector<int64_t> starts,
+                    std::optional<Tensor> h1, std::optional<Tensor> h3, Tensor ys, std::vector<int64_t> starts,
                     std::vector<int64_t> sizes, int64_t threads) {
-  check_shapes(xs, w1, w2, w3, h1, h3, starts, sizes);
+  const bool glu = w3.has_value(), keep = h1.has_value();
+  const int64_t F = w1.size(2);
+  check_shapes(xs, w1, w2, w3, starts, sizes);
+  if (keep) check_hidden(xs, w1, w3, *h1, h3);
+  TORCH_CHECK(keep || !h3, "h3 is kept only with h1");
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
-  const bool glu = w3.has_value();
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     run_lanes(sizes, threads, [&](int64_t e) {
       const int64_t r0 = starts[e], C = sizes[e];
-      Tensor x = xs.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
+      Tensor x = xs.narrow(0, r0, C);
+      Tensor a1 = keep ? h1->narrow(0, r0, C) : xs.new_empty({C, F});
       at::mm_out(a1, x, w1[e]);
       Tensor act;
       if (glu) {
-        Tensor a3 = h3->narrow(0, r0, C);
+        Tensor a3 = keep ? h3->narrow(0, r0, C) : xs.new_empty({C, F});
         at::mm_out(a3, x, (*w3)[e]);
-        act = at::empty_like(a1);
+        act = keep ? at::empty_like(a1) : a3;  // without buffers to keep, over h3 (read before written)
         RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
         swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
                                  act.mutable_data_ptr<scalar_t>(), a1.numel());
       } else {
-        act = at::relu(a1);
+        act = keep ? at::relu(a1) : a1.relu_();
       }
       Tensor y = ys.narrow(0, r0, C);
       at::mm_out(y, act, w2[e]);
@@ -212,7 +222,8 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
                                     const std::optional<Tensor>& w3, std::optional<Tensor> dxs,
                                     std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t threads) {
   const int64_t E = w1.size(0);
-  check_shapes(xs, w1, w2, w3, h1, h3, starts, sizes);
+  check_shapes(xs, w1, w2, w3, starts, sizes);
+  check_hidden(xs, w1, w3, h1, h3);
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == xs.sizes(), "dy must be a contiguous [R, D] tensor");
   TORCH_CHECK(!dxs || (dxs->is_contiguous() && dxs->sizes() == xs.sizes()), "dxs must be a contiguous [R, D] tensor");
   const bool glu = w3.has_value();
@@ -276,7 +287,7 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
 }  // namespace
 
 TORCH_LIBRARY(mhmoe_cpu, m) {
-  m.def("expert_forward(Tensor xs, Tensor w1, Tensor w2, Tensor? w3, Tensor(a!) h1, Tensor(b!)? h3, Tensor(c!) ys, "
+  m.def("expert_forward(Tensor xs, Tensor w1, Tensor w2, Tensor? w3, Tensor(a!)? h1, Tensor(b!)? h3, Tensor(c!) ys, "
         "int[] starts, int[] sizes, int threads) -> ()");
   m.def("expert_backward(Tensor xs, Tensor h1, Tensor? h3, Tensor dy, Tensor w1, Tensor w2, Tensor? w3, "
         "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads) -> Tensor[]");
