@@ -53,7 +53,7 @@ import torch
 
 from mhmoe.config.flops import moe_layer_flops
 from mhmoe.config.moe import MoEConfig
-from mhmoe.moe.dispatch.cpu_table import DTYPES, SHAPE_CLASSES, CpuChoice, shape_class
+from mhmoe.moe.dispatch.cpu_table import DTYPES, FALLBACK_CLASS, SHAPE_CLASSES, CpuChoice, classify, shape_class
 from mhmoe.moe.dispatch.fused import chunk_rows, expert_workers, fused_moe
 from mhmoe.moe.dispatch.layout import batch_padding
 from mhmoe.moe.experts import DenseFFN
@@ -67,6 +67,7 @@ TABLE_FILE = ROOT / "src" / "mhmoe" / "moe" / "dispatch" / "cpu_table.py"
 DENSE_ALIGN = 64  # the dense reference's hidden width is a multiple of this
 CANDIDATES = {"few": ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16"],
               "many": ["fused:1", "fused:16", "fused:32", "batched:16"],
+              "small": ["fused:1", "fused:16", "fused:32", "batched:16"],
               "thin_wide": ["sorted", "fused:1", "fused:32", "chunked:32"]}
 AVX512_FAMILY = ("amx", "avx512_bf16", "avx512")  # the same float32 kernels (AVX-512)
 NO_NATIVE_BF16 = ("avx512", "avx2", "other")  # bf16 converted in software: ~5-100x slower than float32, not measured
@@ -262,6 +263,12 @@ def batch_threshold(rows: list[dict], loop: str, batched: str) -> float:
     return round((tau + above[0]) / 2 if above else tau, 2)
 
 
+def row_class(row: dict) -> str:
+    """A measured row's shape class by the table's current rule, from the layer's recorded shape (the ``class``
+    stored in older files followed the rule of their day)."""
+    return classify(row["experts"], row["d_in"], row["d_hidden"])
+
+
 def emulated(measurement: dict) -> bool:
     """Whether a measurement file's ISA was emulated: a wider CPU capped by ``ONEDNN_MAX_CPU_ISA`` (and MKL, ATen)."""
     return any(k in measurement["machine"].get("env", {}) for k in ISA_CAPS)
@@ -284,8 +291,8 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
         files = native or files  # a CPU of that ISA outranks a wider one capped to it
         for dt in DTYPES:
             for cls in SHAPE_CLASSES:
-                rows = [r for _, d in files for r in d["rows"] if r["dtype"] == dt and r["class"] == cls]
-                used = sorted({n for n, d in files for r in d["rows"] if r["dtype"] == dt and r["class"] == cls})
+                rows = [r for _, d in files for r in d["rows"] if r["dtype"] == dt and row_class(r) == cls]
+                used = sorted({n for n, d in files for r in d["rows"] if r["dtype"] == dt and row_class(r) == cls})
                 if rows:
                     table[(isa, dt, cls)] = choose(rows, ", ".join(used))
     measured = dict(table)
@@ -298,6 +305,11 @@ def build_table(paths: list[Path]) -> dict[tuple[str, str, str], CpuChoice]:
                     src = table[(isa, "float32", cls)]  # no native bf16: no oneDNN bf16 kernels, as float32
                     # (the float32 entry: measured, or filled just before, since DTYPES lists float32 first)
                     table[(isa, dt, cls)] = replace(src, source=f"as float32 (no native bf16): {src.source}")
+                    continue
+                own = (isa, dt, FALLBACK_CLASS.get(cls, cls))
+                if own in measured:  # this ISA's own entry for the class these experts would otherwise have
+                    src = table[own]
+                    table[(isa, dt, cls)] = replace(src, source=f"not measured; as {own[2]}: {src.source}")
                     continue
                 near = sorted((i for i in ISAS if (i, dt, cls) in measured), key=lambda i: _distance(i, isa, dt))
                 if near:

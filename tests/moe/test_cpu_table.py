@@ -17,8 +17,11 @@ from mhmoe.moe.routers import RouterOutput
 from mhmoe.runtime.cpu import ISAS
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERTS = {"few": GroupedExperts(4, 16, 32), "many": GroupedExperts(16, 16, 32),
-           "thin_wide": GroupedExperts(4, 8, cpu_table.WIDE_HIDDEN)}
+EXPERTS = {"few": GroupedExperts(4, 128, 256), "many": GroupedExperts(16, 128, 256),
+           "small": GroupedExperts(16, 16, 32), "thin_wide": GroupedExperts(4, 8, cpu_table.WIDE_HIDDEN)}
+
+
+FEW = {"experts": 4, "d_in": 128, "d_hidden": 256}  # a measured row's layer shape: the class "few"
 
 
 def _cpu_dispatch():
@@ -26,6 +29,17 @@ def _cpu_dispatch():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_shape_classes():
+    """The boundaries: thin, wide experts first, then small ones (d_in * F < 32,768), then by the expert count;
+    the tiny presets' h=2 and h=3 experts are small, the d=768 bench layers' are not."""
+    classify = cpu_table.classify
+    assert classify(8, 127, 1024) == classify(8, 16, 1024) == "thin_wide"
+    assert classify(8, 128, 1024) == "few" and classify(16, 128, 1024) == "many"
+    assert classify(93, 64, 128) == classify(41, 96, 192) == classify(4, 127, 256) == "small"
+    assert classify(16, 128, 256) == "many" and classify(16, 192, 256) == "many" and classify(96, 256, 512) == "many"
+    assert set(cpu_table.FALLBACK_CLASS) <= set(SHAPE_CLASSES) >= set(cpu_table.FALLBACK_CLASS.values())
 
 
 def test_every_isa_dtype_and_shape_class_has_an_entry():
@@ -105,7 +119,7 @@ def test_table_gaps_from_the_nearest_measured_isa(tmp_path):
 
     def row(dtype: str, best: str) -> dict:
         ms = {"fused:1": 12.0, "fused:16": 12.0, "batched:16": 20.0, "dense": 9.0, best: 10.0}
-        return {"dtype": dtype, "class": "few", "ms": ms, "padding_batched16": 0.3}
+        return {"dtype": dtype, **FEW, "ms": ms, "padding_batched16": 0.3}
 
     for name, isa, rows in (("cpu_dispatch_a.json", "amx", [row("float32", "fused:16"), row("bfloat16", "fused:1")]),
                             ("cpu_dispatch_b.json", "avx2", [row("float32", "fused:1")])):
@@ -121,13 +135,33 @@ def test_table_gaps_from_the_nearest_measured_isa(tmp_path):
     assert ("amx", "float32", "many") not in table  # a class measured nowhere stays a gap
 
 
+def test_small_experts_fall_back_to_their_isas_many_entry(tmp_path):
+    """A class measured on one ISA only (small experts: the tiny presets) fills another ISA's gap from that ISA's own
+    entry for the class the experts would otherwise have (many); rows are classed by their recorded shape."""
+    mod = _cpu_dispatch()
+
+    def row(shape: dict, best: str) -> dict:
+        ms = {"fused:1": 12.0, "fused:16": 12.0, "fused:32": 12.0, "batched:16": 20.0, "dense": 9.0, best: 10.0}
+        return {"dtype": "bfloat16", "class": "many", **shape, "ms": ms, "padding_batched16": 0.3}
+
+    small, many = {"experts": 93, "d_in": 64, "d_hidden": 128}, {"experts": 96, "d_in": 256, "d_hidden": 512}
+    for name, isa, rows in (("cpu_dispatch_a.json", "amx", [row(many, "fused:16")]),
+                            ("cpu_dispatch_b.json", "avx512_bf16", [row(small, "fused:32"), row(many, "fused:1")])):
+        (tmp_path / name).write_text(json.dumps({"machine": {"isa": isa}, "rows": rows}))
+    table = mod.build_table(sorted(tmp_path.glob("*.json")))
+    assert table[("avx512_bf16", "bfloat16", "small")].align == 32  # the stored "class" is not what counts
+    assert table[("avx512_bf16", "bfloat16", "many")].align == 1
+    entry = table[("amx", "bfloat16", "small")]
+    assert (entry.align, entry.source) == (16, "not measured; as many: cpu_dispatch_a.json")
+
+
 def test_a_native_measurement_outranks_an_emulated_one(tmp_path):
     """Files from a CPU of the ISA decide its entries; files from a wider CPU capped to it only where none exist."""
     mod = _cpu_dispatch()
 
     def write(name: str, env: dict, best: str) -> None:
         ms = {"fused:1": 12.0, "fused:16": 12.0, "batched:16": 20.0, "dense": 9.0, best: 10.0}
-        rows = [{"dtype": "bfloat16", "class": "few", "ms": ms, "padding_batched16": 0.3}]
+        rows = [{"dtype": "bfloat16", **FEW, "ms": ms, "padding_batched16": 0.3}]
         (tmp_path / name).write_text(json.dumps({"machine": {"isa": "avx512_bf16", "env": env}, "rows": rows}))
 
     write("cpu_dispatch_emulated.json", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MHMOE_MALLOC": "tuned"}, "fused:16")

@@ -23,8 +23,11 @@ from mhmoe.moe.experts import GroupedExperts
 from mhmoe.runtime.cpu import cpu_isa
 
 THIN_WIDTH, WIDE_HIDDEN = 128, 1024  # thin, wide experts: d_in < THIN_WIDTH and F >= WIDE_HIDDEN
+SMALL_EXPERT = 32768  # "small": d_in * F below this (a weight matrix of 64 KiB in bf16; the tiny presets' h=2, h=3)
 MANY_EXPERTS = 16  # "many": at least this many experts (enough for one expert thread per core)
-SHAPE_CLASSES = ("few", "many", "thin_wide")
+SHAPE_CLASSES = ("few", "many", "small", "thin_wide")
+# a class with no measurement on an ISA takes that ISA's entry for this class before any other ISA's
+FALLBACK_CLASS = {"small": "many"}
 DTYPES = ("float32", "bfloat16")
 CPU_IMPLS = ("fused", "sorted", "chunked")
 
@@ -43,12 +46,20 @@ class CpuChoice:
     source: str
 
 
-def shape_class(experts: GroupedExperts) -> str:
-    """``thin_wide`` (d_in < 128 and F >= 1,024: MH-MoE at parameter parity with many heads), ``many`` (at
-    least 16 experts) or ``few``."""
-    if experts.d_in < THIN_WIDTH and experts.d_hidden >= WIDE_HIDDEN:
+def classify(n_experts: int, d_in: int, d_hidden: int) -> str:
+    """``thin_wide`` (d_in < 128 and F >= 1,024: MH-MoE at parameter parity with many heads), ``small`` (d_in * F
+    < 32,768: every GEMM call's fixed cost weighs, e.g. the tiny presets' h=2 and h=3 experts), ``many`` (at least
+    16 experts) or ``few``."""
+    if d_in < THIN_WIDTH and d_hidden >= WIDE_HIDDEN:
         return "thin_wide"
-    return "many" if experts.n_experts >= MANY_EXPERTS else "few"
+    if d_in * d_hidden < SMALL_EXPERT:
+        return "small"
+    return "many" if n_experts >= MANY_EXPERTS else "few"
+
+
+def shape_class(experts: GroupedExperts) -> str:
+    """The shape class of ``experts`` (:func:`classify`)."""
+    return classify(experts.n_experts, experts.d_in, experts.d_hidden)
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -69,6 +80,9 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('amx', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'float32', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as many: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('amx', 'float32', 'thin_wide'):
         CpuChoice('sorted', 1, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
@@ -78,6 +92,9 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('amx', 'bfloat16', 'many'):
         CpuChoice('fused', 16, 0.47, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+    ('amx', 'bfloat16', 'small'):
+        CpuChoice('fused', 16, 0.47, True,
+                  'not measured; as many: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('amx', 'bfloat16', 'thin_wide'):
         CpuChoice('chunked', 32, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
@@ -87,6 +104,9 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('avx512_bf16', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json, cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
+    ('avx512_bf16', 'float32', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
@@ -94,8 +114,11 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json, cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'many'):
-        CpuChoice('fused', 32, -1.0, True,
+        CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json, cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
+    ('avx512_bf16', 'bfloat16', 'small'):
+        CpuChoice('fused', 32, -1.0, True,
+                  'cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 32, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
@@ -105,6 +128,9 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('avx512', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
+    ('avx512', 'float32', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as many: cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'float32', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
@@ -114,6 +140,10 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('avx512', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
+    ('avx512', 'bfloat16', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as many: '
+                  'cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
     ('avx512', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): cpu_dispatch_avx512_emulated_epyc_2t_tuned.json'),
@@ -123,6 +153,10 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('avx2', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx2_emulated_2t_tuned.json, cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
+    ('avx2', 'float32', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as many: cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'float32', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx2_emulated_2t_tuned.json, cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
@@ -133,6 +167,10 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('avx2', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): cpu_dispatch_avx2_emulated_2t_tuned.json, '
+                  'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
+    ('avx2', 'bfloat16', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as many: cpu_dispatch_avx2_emulated_2t_tuned.json, '
                   'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
     ('avx2', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
@@ -146,6 +184,9 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 1, -1.0, True,
                   'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
                   'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
+    ('other', 'float32', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'not measured; as avx512_bf16: cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('other', 'float32', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
@@ -158,6 +199,10 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
                   'cpu_dispatch_avx2_emulated_epyc_2t_tuned.json'),
+    ('other', 'bfloat16', 'small'):
+        CpuChoice('fused', 1, -1.0, True,
+                  'as float32 (no native bf16): not measured; as avx512_bf16: '
+                  'cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('other', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 1, -1.0, True,
                   'as float32 (no native bf16): not measured; as avx2: cpu_dispatch_avx2_emulated_2t_tuned.json, '
