@@ -139,9 +139,9 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     itself: off a CPU, for other dtypes or k (1 <= k < E, k <= 16), under ``torch.compile`` or a dispatch mode,
     with ``MHMOE_NATIVE=0`` or where the extension cannot be built."""
     ops = None
-    if (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
-            and 1 <= k <= MAX_TOPK and k < scores.shape[1] and enabled()
-            and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()):
+    if (not torch.compiler.is_compiling()  # first: dynamo does not trace enabled()'s ContextVar (a graph break)
+            and scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and 1 <= k <= MAX_TOPK and k < scores.shape[1] and enabled() and not is_in_torch_dispatch_mode()):
         ops = _ops()
     if ops is None:
         return torch.topk(scores, k, dim=-1).indices
