@@ -310,3 +310,22 @@ def test_train_throughput_benchmark_smoke(tmp_path, capsys):
     ratio = mh3["tokens_per_s"] * mh3["fwd_flops_per_token"] / (dense["tokens_per_s"] * dense["fwd_flops_per_token"])
     assert mh3["vs_dense"] == pytest.approx(ratio) and res["machine"]["isa"] and len(res["machine"]["loadavg"]) == 3
     assert bench.main(["--presets", "tiny-nope"]) == 2
+
+
+def test_generate_throughput_benchmark_smoke(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "generate_throughput.py"
+    spec = importlib.util.spec_from_file_location("generate_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gen.json"
+    rc = bench.main(["--presets", "tiny-dense", "tiny-mh3", "--new-tokens", "3", "--prompt", "4", "--repeats", "1",
+                     "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert len(table) == 4 and "tokens/s" in table[0]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["preset"] for r in rows] == ["tiny-dense", "tiny-mh3"] and rows[0]["vs_dense"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows) and rows[1]["vs_dense"] > 0
+    assert bench.main(["--presets", "tiny-dense", "--new-tokens", "0"]) == 2

@@ -163,24 +163,26 @@ class Block(nn.Module):
         self.ffn = build_ffn_layer(cfg.d_model, ffn_cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, cache: KVCache | None = None,
-                layer: int = 0, key_mask: Tensor | None = None) -> tuple[Tensor, FFNOutput]:
-        """x [B, T, D]; mask [B, T] (True = a real position, routed); key_mask: see :class:`Attention`."""
+                layer: int = 0, key_mask: Tensor | None = None, stats: bool = True) -> tuple[Tensor, FFNOutput]:
+        """x [B, T, D]; mask [B, T] (True = a real position, routed); key_mask: see :class:`Attention`;
+        ``stats=False``: the MoE FFN computes no router losses or statistics (generation)."""
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, key_mask)
-        f = self.ffn(self.ffn_norm(x), mask)
+        f = self.ffn(self.ffn_norm(x), mask, stats=stats)
         return x + f.out, f
 
 
 def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
                cache: KVCache | None = None, key_mask: Tensor | None = None, return_routing: bool = False,
-               ) -> tuple[Tensor, Tensor, list[RoutingStats], list[FFNOutput]]:
+               stats: bool = True) -> tuple[Tensor, Tensor, list[RoutingStats], list[FFNOutput]]:
     """``x`` [B, T, D] through every :class:`Block` (the decoder's and the encoder's loop): returns the
     output [B, T, D], the summed weighted router losses of the MoE blocks (0-dim fp32), one RoutingStats
-    per MoE block and, with ``return_routing``, the MoE blocks' full FFNOutputs."""
+    per MoE block and, with ``return_routing``, the MoE blocks' full FFNOutputs. ``stats=False``: no router
+    losses or statistics (the aux loss 0, no RoutingStats)."""
     aux = torch.zeros((), dtype=torch.float32, device=x.device)
     routing: list[RoutingStats] = []
     outputs: list[FFNOutput] = []
     for i, block in enumerate(blocks):
-        x, f = block(x, cos, sin, mask, cache, i, key_mask)
+        x, f = block(x, cos, sin, mask, cache, i, key_mask, stats)
         if block.is_moe:
             aux = aux + f.aux_loss
             if f.stats is not None:
@@ -241,7 +243,9 @@ class LM(nn.Module, PretrainedMixin):
                 cache: KVCache | None = None, return_routing: bool = False,
                 key_mask: Tensor | None = None) -> LMOutput:
         """idx/targets/mask [B, T]; key_mask [B, T_cached + T] bool marks padding keys (False) that no
-        query attends to (left-padded batches; RoPE is relative, so a row's pad offset cancels)."""
+        query attends to (left-padded batches; RoPE is relative, so a row's pad offset cancels). With a ``cache``
+        and no ``targets`` (generation) the router losses and routing statistics are not computed: ``aux_loss``
+        is 0 and ``routing`` empty unless ``return_routing``."""
         if idx.dim() != 2:
             raise ValueError(f"invalid idx shape {tuple(idx.shape)}: allowed [B, T]")
         B, T = idx.shape
@@ -252,7 +256,8 @@ class LM(nn.Module, PretrainedMixin):
         # a row gather whose backward is index_add: nn.Embedding's CUDA backward reads a segment count on
         # the host (a device sync in every training step); on CPU both are the same computation
         x = self.embed.weight.index_select(0, idx.reshape(-1)).view(B, T, -1)
-        x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, mask, cache, key_mask, return_routing)
+        stats = cache is None or targets is not None or return_routing
+        x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, mask, cache, key_mask, return_routing, stats)
         logits = self.lm_head(self.norm(x))
         loss = None if targets is None else token_loss(logits, targets, mask)
         return LMOutput(logits, loss, aux, routing, outputs if return_routing else None)

@@ -30,6 +30,8 @@ from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
 from mhmoe.moe.capacity import apply_capacity, expert_capacity
 from mhmoe.moe.dispatch import choose_impl
+from mhmoe.moe.dispatch.gathered import fits as gathered_fits
+from mhmoe.moe.dispatch.gathered import gathered_moe
 from mhmoe.moe.experts import DenseFFN, GroupedExperts, SharedExperts
 from mhmoe.moe.losses import entropy_loss, load_balancing_loss, router_z_loss
 from mhmoe.moe.routers import RouterOutput, build_router
@@ -96,7 +98,7 @@ class DenseLayer(nn.Module):
         self.d_model = d_model
         self.ffn = DenseFFN(d_model, cfg.d_expert, cfg.ffn, cfg.expert_bias, cfg.init_std, cfg.quant)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> FFNOutput:
+    def forward(self, x: Tensor, mask: Tensor | None = None, stats: bool = True) -> FFNOutput:
         _check_input(x, self.d_model, mask, "dense FFN")
         return FFNOutput(self.ffn(x), x.new_zeros((), dtype=torch.float32))
 
@@ -128,9 +130,11 @@ class MoELayer(nn.Module):
             return None
         return expert_capacity(n_tokens, self.cfg.top_k, self.cfg.n_experts, cf)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, seq_shape: tuple[int, int] | None = None) -> FFNOutput:
+    def forward(self, x: Tensor, mask: Tensor | None = None, seq_shape: tuple[int, int] | None = None,
+                stats: bool = True) -> FFNOutput:
         """x [..., d_in], mask [...] | None. ``seq_shape`` (B, T) says how x's tokens lie in sequences for
-        the causal capacity priority (default :func:`seq_shape_of` ``x.shape[:-1]``)."""
+        the causal capacity priority (default :func:`seq_shape_of` ``x.shape[:-1]``). ``stats=False``: no router
+        losses and no routing statistics (generation: ``aux_loss`` zero, ``losses`` empty, ``stats`` None)."""
         _check_input(x, self.d_in, mask, "MoE")
         shape = x.shape
         xs = x.reshape(-1, self.d_in)
@@ -149,6 +153,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             sh = self.shared(xs)
             out = out + (sh if tmask is None else sh * tmask[:, None].to(sh.dtype))
+        if not stats:
+            return FFNOutput(out.reshape(shape), xs.new_zeros((), dtype=torch.float32), route=route)
         losses = self.router_losses(route, chosen)
         aux = weighted_aux(losses, self.loss_weights(), xs)
         return FFNOutput(out.reshape(shape), aux, losses, self.routing_stats(route, chosen, losses), route)
@@ -159,8 +165,11 @@ class MoELayer(nn.Module):
                 "entropy": self.cfg.entropy_loss_weight}
 
     def dispatch(self, xs: Tensor, route: RouterOutput) -> Tensor:
-        """Routed expert output xs [S, d_in] -> [S, d_in] (the ``cfg.impl`` path; expert parallelism
-        overrides this, see :mod:`mhmoe.parallel.expert_parallel`)."""
+        """Routed expert output xs [S, d_in] -> [S, d_in] (the ``cfg.impl`` path; ``auto`` runs generation's few
+        rows on gathered weights, :mod:`mhmoe.moe.dispatch.gathered`; expert parallelism overrides this, see
+        :mod:`mhmoe.parallel.expert_parallel`)."""
+        if self.cfg.impl == "auto" and gathered_fits(route, self.experts):
+            return gathered_moe(xs, route, self.experts)
         return choose_impl(self.cfg.impl, xs, self.experts)(xs, route, self.experts)
 
     def routing_stats(self, route: RouterOutput, chosen: Tensor, losses: dict[str, Tensor]) -> RoutingStats:
@@ -247,13 +256,13 @@ class MHMoELayer(nn.Module):
         self.shared = (SharedExperts(d_model, cfg.n_shared, cfg.shared_width, cfg.ffn, cfg.expert_bias,
                                      cfg.init_std, cfg.quant) if cfg.n_shared > 0 else None)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> FFNOutput:
+    def forward(self, x: Tensor, mask: Tensor | None = None, stats: bool = True) -> FFNOutput:
         _check_input(x, self.d_model, mask, "MH-MoE")
         lead = x.shape[:-1]
         x_hat = self.head(x)
         sub = x_hat.reshape(-1, self.d_sub)  # [S, D/H], token-major (ICML Eq.4 / App. E)
         sub_mask = None if mask is None else mask.reshape(-1, 1).expand(-1, self.heads).reshape(-1)
-        res = self.moe(sub, sub_mask, seq_shape_of(tuple(lead)))
+        res = self.moe(sub, sub_mask, seq_shape_of(tuple(lead)), stats)
         o = res.out + sub if self.cfg.residual == "subtoken" else res.out
         y = self.merge(o.reshape(*lead, self.d_model))
         if self.shared is not None:

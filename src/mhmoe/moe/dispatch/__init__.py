@@ -23,6 +23,9 @@ Execution paths over the same :class:`~mhmoe.moe.routers.RouterOutput` (``MoECon
   grouped GEMM + SwiGLU, the second grouped GEMM fused with the weighted scatter to slot order, matching
   backward kernels; no host synchronisation, no atomics (needs ``pip install 'mhmoe[triton]'``).
 - ``loop`` (:func:`mhmoe.moe.reference.loop_moe`): the per-expert masked loop, the oracle.
+- generation's few rows (:mod:`mhmoe.moe.dispatch.gathered`, not an ``impl`` of its own): forward-only calls
+  whose pairs' gathered weights are small run every (token, slot) pair on its expert's gathered weights as
+  batched GEMMs; :meth:`mhmoe.moe.layers.MoELayer.dispatch` takes it for ``auto``.
 - ``auto``: :func:`choose_impl` picks by device, compute dtype and alignment (:func:`auto_impl`, a pure
   function of those) a path without host synchronisation where one exists: on CUDA ``grouped_mm`` only
   where ``torch._grouped_mm`` takes its CUTLASS fast path -- bf16 on a Hopper/Blackwell GPU (compute

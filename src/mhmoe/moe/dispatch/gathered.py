@@ -1,0 +1,47 @@
+"""Generation's few rows: every (token, slot) pair runs its expert with that expert's weights gathered.
+
+Shape legend: S routed (sub-)tokens, K slots per token, N = S*K pairs, D_in expert width, F expert hidden width.
+
+A decoding step routes one token per sequence (times the heads for MH-MoE): a handful of pairs. Grouping them
+by expert (the other paths' row layout, counts, per-expert loop) then costs more than the experts' work. Here
+the weights of each pair's expert are gathered ([N, D_in, F], ...) and the N one-row FFNs run as batched
+GEMMs (``torch.bmm``): a few kernels whatever the number of experts, no host synchronisation. It reads each
+chosen expert's weights once per pair, so :func:`fits` takes it only for forward-only calls whose gathered
+weights stay small; :meth:`mhmoe.moe.layers.MoELayer.dispatch` runs it for ``impl="auto"``.
+Tested against the loop oracle (:func:`mhmoe.moe.reference.loop_moe`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mhmoe.moe.experts import GroupedExperts, ffn_forward
+from mhmoe.moe.routers import RouterOutput
+
+MAX_GATHERED = 1 << 22  # weight elements gathered per call at most (8 MiB in bf16): generation's few pairs
+
+
+def fits(route: RouterOutput, experts: GroupedExperts) -> bool:
+    """Whether a call should run :func:`gathered_moe`: no gradient wanted (generation, evaluation) and the
+    pairs' gathered weights within ``MAX_GATHERED`` elements. Shapes only: no host synchronisation."""
+    if torch.is_grad_enabled():
+        return False
+    per_expert = sum(w.numel() for w in (experts.w1, experts.w2, experts.w3) if w is not None) // experts.n_experts
+    return route.experts.numel() * per_expert <= MAX_GATHERED
+
+
+def gathered_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Tensor:
+    """x: [S, D_in] -> [S, D_in]: out[s] = sum over valid slots k of w[s,k] * Expert_{e[s,k]}(x[s]), each pair's
+    FFN on its expert's gathered weights (biases, sub-norms and quantized weights as the other paths)."""
+    S, K = route.experts.shape
+    ids = torch.where(route.valid, route.experts, 0).reshape(-1)  # [N]; invalid slots read expert 0, weigh 0
+    pick = lambda t: None if t is None else t.index_select(0, ids)  # noqa: E731 -- [E, ...] -> [N, ...]
+    row = lambda t: None if t is None else t.index_select(0, ids)[:, None, :]  # noqa: E731 -- [E, X] -> [N, 1, X]
+    w1, w2, w3, b1, b2, b3 = experts.effective_weights()
+    rows = x[:, None, :].expand(S, K, x.shape[-1]).reshape(S * K, 1, -1)  # [N, 1, D_in]
+    y = ffn_forward(rows, w1.index_select(0, ids), w2.index_select(0, ids), pick(w3), row(b1), row(b2), row(b3),
+                    row(experts.sub_norm), act_quant=experts.quantized).view(S, K, -1)  # [S, K, D_in]
+    y = torch.where(route.valid[..., None], y, 0)  # an invalid slot contributes nothing, even from a non-finite row
+    return (y * route.weights.to(y.dtype)[..., None]).sum(1)  # the weighted sum over the K slots (not a GEMM:
+    # FLOP counts stay the experts' own, as on the other paths)
