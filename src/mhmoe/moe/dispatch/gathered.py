@@ -19,7 +19,7 @@ from torch import Tensor
 from mhmoe.moe.experts import GroupedExperts, ffn_forward
 from mhmoe.moe.routers import RouterOutput
 
-MAX_GATHERED = 1 << 22  # weight elements gathered per call at most (8 MiB in bf16): generation's few pairs
+MAX_GATHERED = 1 << 21  # weight elements gathered per call at most (4 MiB in bf16): generation's few pairs
 
 
 def fits(route: RouterOutput, experts: GroupedExperts) -> bool:
