@@ -160,6 +160,15 @@ class GroupedExperts(nn.Module):
         return ffn_forward(x_padded, w1, w2, w3, per_expert(b1), per_expert(b2), per_expert(b3),
                            per_expert(self.sub_norm), act_quant=self.quantized)
 
+    def forward_gathered(self, x_rows: Tensor, ids: Tensor) -> Tensor:
+        """Row n on expert ``ids[n]``, with that expert's weights gathered: x_rows [N, 1, D_in], ids [N] ->
+        [N, 1, D_in] (batched GEMMs over the N rows; generation's few rows, :mod:`mhmoe.moe.dispatch.gathered`)."""
+        w1, w2, w3, b1, b2, b3 = self.effective_weights()
+        pick = lambda t: None if t is None else t.index_select(0, ids)  # noqa: E731 -- [E, ...] -> [N, ...]
+        per_row = lambda t: None if t is None else t.index_select(0, ids)[:, None, :]  # noqa: E731 -- [N, 1, X]
+        return ffn_forward(x_rows, w1.index_select(0, ids), w2.index_select(0, ids), pick(w3), per_row(b1),
+                           per_row(b2), per_row(b3), per_row(self.sub_norm), act_quant=self.quantized)
+
     def forward_grouped(self, x_sorted: Tensor, offsets: Tensor, expert_of_row: Tensor | None = None) -> Tensor:
         """Grouped-GEMM version of :meth:`forward_sorted` with ``torch._grouped_mm``.
 

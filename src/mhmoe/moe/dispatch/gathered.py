@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mhmoe.moe.experts import GroupedExperts, ffn_forward
+from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
 MAX_GATHERED = 1 << 21  # weight elements gathered per call at most (4 MiB in bf16): generation's few pairs
@@ -36,12 +36,8 @@ def gathered_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts) -> Ten
     FFN on its expert's gathered weights (biases, sub-norms and quantized weights as the other paths)."""
     S, K = route.experts.shape
     ids = torch.where(route.valid, route.experts, 0).reshape(-1)  # [N]; invalid slots read expert 0, weigh 0
-    pick = lambda t: None if t is None else t.index_select(0, ids)  # noqa: E731 -- [E, ...] -> [N, ...]
-    row = lambda t: None if t is None else t.index_select(0, ids)[:, None, :]  # noqa: E731 -- [E, X] -> [N, 1, X]
-    w1, w2, w3, b1, b2, b3 = experts.effective_weights()
     rows = x[:, None, :].expand(S, K, x.shape[-1]).reshape(S * K, 1, -1)  # [N, 1, D_in]
-    y = ffn_forward(rows, w1.index_select(0, ids), w2.index_select(0, ids), pick(w3), row(b1), row(b2), row(b3),
-                    row(experts.sub_norm), act_quant=experts.quantized).view(S, K, -1)  # [S, K, D_in]
+    y = experts.forward_gathered(rows, ids).view(S, K, -1)  # [S, K, D_in]
     y = torch.where(route.valid[..., None], y, 0)  # an invalid slot contributes nothing, even from a non-finite row
     return (y * route.weights.to(y.dtype)[..., None]).sum(1)  # the weighted sum over the K slots (not a GEMM:
     # FLOP counts stay the experts' own, as on the other paths)
