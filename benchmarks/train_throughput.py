@@ -113,7 +113,7 @@ def prepare_preset(name: str, device: torch.device, dtype: str, batch_size: int 
         _sync(device)
         t0 = time.perf_counter()
         with autocast_ctx(device, cfg.dtype):
-            out = model(batch[:, :-1], batch[:, 1:])
+            out = model(batch[:, :-1], batch[:, 1:], return_logits=False)  # as training does
         (out.loss + out.aux_loss).backward()
         _sync(device)
         t1 = time.perf_counter()

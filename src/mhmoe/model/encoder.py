@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables, run_blocks, token_loss
+from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables, run_blocks
+from mhmoe.model.lm_loss import token_loss
 from mhmoe.moe.layers import FFNOutput, RoutingStats
 
 N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
+from mhmoe.model.lm_loss import chunked_token_loss, token_loss
 from mhmoe.model.pretrained import PretrainedMixin
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
@@ -35,10 +36,11 @@ from mhmoe.quant.bitnet import BitLinear, SubNorm
 
 @dataclass
 class LMOutput:
-    """logits [B, T, V]; loss = LM cross-entropy (None without targets); aux_loss = summed weighted
-    router losses of all MoE layers (0-dim fp32); routing = one RoutingStats per MoE layer."""
+    """logits [B, T, V] (None when the forward was asked for the loss only); loss = LM cross-entropy (None
+    without targets); aux_loss = summed weighted router losses of all MoE layers (0-dim fp32); routing = one
+    RoutingStats per MoE layer."""
 
-    logits: Tensor
+    logits: Tensor | None
     loss: Tensor | None
     aux_loss: Tensor
     routing: list[RoutingStats] = field(default_factory=list)
@@ -192,13 +194,6 @@ def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, mask:
     return x, aux, routing, outputs
 
 
-def token_loss(logits: Tensor, targets: Tensor, keep: Tensor | None = None) -> Tensor:
-    """Mean cross-entropy, in fp32, of ``logits`` [B, T, V] against ``targets`` [B, T] over the positions
-    ``keep`` [B, T] marks (all when None); no host synchronisation."""
-    tgt = targets if keep is None else targets.masked_fill(~keep.bool(), -100)
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
-
-
 class LM(nn.Module, PretrainedMixin):
     """The language model. forward(idx [B, T], targets [B, T] | None, mask [B, T] | None).
 
@@ -241,11 +236,14 @@ class LM(nn.Module, PretrainedMixin):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, mask: Tensor | None = None,
                 cache: KVCache | None = None, return_routing: bool = False,
-                key_mask: Tensor | None = None) -> LMOutput:
+                key_mask: Tensor | None = None, return_logits: bool = True) -> LMOutput:
         """idx/targets/mask [B, T]; key_mask [B, T_cached + T] bool marks padding keys (False) that no
         query attends to (left-padded batches; RoPE is relative, so a row's pad offset cancels). With a ``cache``
         and no ``targets`` (generation) the router losses and routing statistics are not computed: ``aux_loss``
-        is 0 and ``routing`` empty unless ``return_routing``."""
+        is 0 and ``routing`` empty unless ``return_routing``. ``return_logits=False`` with ``targets`` (training,
+        evaluation): the loss is computed with the LM head in row chunks
+        (:func:`~mhmoe.model.lm_loss.chunked_token_loss`) and ``logits`` is None; compiled graphs keep the plain
+        head and loss, which the compiler fuses."""
         if idx.dim() != 2:
             raise ValueError(f"invalid idx shape {tuple(idx.shape)}: allowed [B, T]")
         B, T = idx.shape
@@ -258,9 +256,12 @@ class LM(nn.Module, PretrainedMixin):
         x = self.embed.weight.index_select(0, idx.reshape(-1)).view(B, T, -1)
         stats = cache is None or targets is not None or return_routing
         x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, mask, cache, key_mask, return_routing, stats)
-        logits = self.lm_head(self.norm(x))
+        h, layers = self.norm(x), outputs if return_routing else None
+        if targets is not None and not return_logits and not torch.compiler.is_compiling():
+            return LMOutput(None, chunked_token_loss(h, self.lm_head.weight, targets, mask), aux, routing, layers)
+        logits = self.lm_head(h)
         loss = None if targets is None else token_loss(logits, targets, mask)
-        return LMOutput(logits, loss, aux, routing, outputs if return_routing else None)
+        return LMOutput(logits, loss, aux, routing, layers)
 
     @torch.no_grad()
     def balance_step(self, routing: list[RoutingStats], apply: Tensor | None = None) -> None:

@@ -32,7 +32,7 @@ def evaluate(model: LM, val: dict[str, np.ndarray], *, batch_size: int, seq_len:
         for x, y in iter_eval_batches(tokens, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches):
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-                res = model(x, y)
+                res = model(x, y, return_logits=False)
             total += float(res.loss) * y.numel()
             n += y.numel()
             if on_batch is not None:

@@ -105,7 +105,7 @@ class LMObjective:
 
     def forward(self, module: nn.Module, batch: tuple[Tensor, Tensor]) -> Any:
         x, y = batch
-        return module(x, y)
+        return module(x, y, return_logits=False)
 
     def evaluate(self, model: nn.Module, *, max_batches: int | None, device: torch.device | str,
                  dtype: str, on_batch: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
