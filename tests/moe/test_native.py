@@ -253,3 +253,53 @@ def test_ops_refuse_inconsistent_shapes():
             ops.expert_forward(*args, 1)
     with pytest.raises(RuntimeError, match="dy"):
         ops.expert_backward(xs, h1, h3, torch.randn(R - 1, D), w1, w2, w3, None, [0, 4], [4, 6], 1)
+
+
+needs_small_gemm = pytest.mark.skipif(
+    native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512"
+    or native.cpu_isa() not in native.SMALL_GEMM_ISAS, reason="the brgemm micro-kernel path is not used on this CPU")
+
+
+def test_small_gemm_rule(monkeypatch):
+    """bf16, weight matrices below SMALL_GEMM_WEIGHTS elements, an AVX-512 build, a measured ISA."""
+    monkeypatch.setattr(native, "capability", lambda: "AVX512")
+    monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
+    assert native.small_gemm(torch.bfloat16, 64, 128) and native.small_gemm(torch.bfloat16, 96, 192)
+    assert not native.small_gemm(torch.bfloat16, 192, 256)  # the tiny fine-grained experts: no faster there
+    assert not native.small_gemm(torch.float32, 64, 128)
+    monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # not measured there: at::mm
+    assert not native.small_gemm(torch.bfloat16, 64, 128)
+    monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(native, "capability", lambda: "AVX2")  # an AVX2 build has no micro-kernel path
+    assert not native.small_gemm(torch.bfloat16, 64, 128)
+
+
+@needs_small_gemm
+@pytest.mark.parametrize("ffn", ["swiglu", "relu"])
+@pytest.mark.parametrize("workers, align", [(1, 32), (2, 32), (2, 1)])
+def test_small_gemm_matches_aten_gemms(monkeypatch, ffn, workers, align):
+    """The micro-kernel GEMMs against at::mm's in the same loop: the output, the input and routing-weight
+    gradients and W2's gradient bit for bit; the W1/W3 gradients (sums over an expert's rows, which at::mm
+    orders differently) within one bf16 rounding step. Experts of 64 x 96 (N a multiple of 32: the micro-kernel)
+    and 64 x 72 / 40-wide fallbacks to at::mm inside the same call (align 1: odd row counts)."""
+    for D, Fh in ((64, 96), (64, 72), (40, 64)):
+        gen = torch.Generator().manual_seed(D + Fh)
+        torch.manual_seed(0)
+        experts = GroupedExperts(12, D, Fh, ffn, init_std=0.2).to(torch.bfloat16)
+        x32 = torch.randn(300, D, generator=gen)
+        route32 = _route(300, 12, 2, gen, skew=1.0)
+        results = {}
+        for flag in (True, False):
+            monkeypatch.setattr("mhmoe.moe.dispatch.fused.small_gemm", lambda *a, f=flag: f)
+            x = x32.to(torch.bfloat16).requires_grad_()
+            route = dataclasses.replace(route32, weights=route32.weights.detach().to(torch.bfloat16).requires_grad_())
+            results[flag] = _grads(lambda *a: fused_moe(*a, workers=workers, align=align, native=True), x, route,
+                                   experts)
+        (got, g_got), (ref, g_ref) = results[True], results[False]
+        assert torch.equal(got, ref)
+        names = ["x", "weights"] + [n for n, _ in experts.named_parameters()]
+        for name, a, b in zip(names, g_got, g_ref, strict=True):
+            if name in ("w1", "w3"):
+                assert ((a.float() - b.float()).abs() <= b.float().abs() * 2**-7 + 1e-30).all(), name
+            else:
+                assert torch.equal(a, b), name

@@ -44,6 +44,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from mhmoe.runtime.cpu import cpu_isa
+
 SOURCES = [Path(__file__).with_name(name) for name in ("expert_loop.cpp", "router_topk.cpp")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
@@ -52,6 +54,10 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 DTYPES = (torch.float32, torch.bfloat16)
+# bf16 experts whose weight matrices have fewer elements than this run their GEMMs on oneDNN's brgemm
+# micro-kernel (small_gemm), on the ISAs where that was measured faster than at::mm
+SMALL_GEMM_WEIGHTS = 32768
+SMALL_GEMM_ISAS = ("avx512_bf16",)
 MAX_TOPK = 16  # topk_rows keeps the k + 1 best scores of a row in a fixed-size array
 log = logging.getLogger(__name__)
 
@@ -130,6 +136,16 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
     if not enabled() or dtype not in DTYPES:
         return None
     return _ops()
+
+
+def small_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> bool:
+    """Whether the C++ loop runs an expert's GEMMs on oneDNN's brgemm micro-kernel (``small=True``: the right
+    operand packed by the loop, fp32 accumulation, the same sums as ``at::mm`` at these sizes) instead of
+    ``at::mm``: bf16, weight matrices of fewer than ``SMALL_GEMM_WEIGHTS`` elements (the tiny presets' h=2 and
+    h=3 experts, whose GEMMs at::mm runs at 110-130 GFLOP/s for 150-180 on the micro-kernel), on the ISAs
+    where that was measured (``SMALL_GEMM_ISAS``; an AVX-512 build of the extension)."""
+    return (dtype == torch.bfloat16 and d_in * d_hidden < SMALL_GEMM_WEIGHTS and capability() == "AVX512"
+            and cpu_isa() in SMALL_GEMM_ISAS)
 
 
 def topk_indices(scores: Tensor, k: int) -> Tensor:

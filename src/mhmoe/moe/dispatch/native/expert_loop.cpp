@@ -3,6 +3,8 @@
 // spread over the intra-op threads (whole experts per thread, each GEMM single-threaded), no Python between
 // the kernels. Registered as torch.ops.mhmoe_cpu.{expert_forward, expert_backward}; the Python path
 // (mhmoe/moe/dispatch/fused.py) is the same computation op for op and the reference the tests hold it to.
+// With `small` (bf16 experts with small weight matrices, decided in Python: native.small_gemm) the GEMMs run
+// on oneDNN's brgemm micro-kernel with the right operand packed here (SmallGemm below) instead of at::mm.
 //
 // Shape legend: R rows of the expert-grouped buffer (expert e owns rows [starts[e], starts[e] + sizes[e])),
 // D expert width, F expert hidden width, E experts, C rows of one expert.
@@ -13,6 +15,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+#if defined(__AVX512BW__)
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+#define MHMOE_BRGEMM 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -108,6 +115,100 @@ void swiglu_backward(const T* h1, const T* h3, T* da_dh1, T* a, T* dh3, int64_t 
   }
 }
 
+#ifdef MHMOE_BRGEMM
+// bf16 GEMMs of one expert on oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm, fp32 accumulation in a
+// scratch block), the right operand packed here into the micro-kernel's pair-interleaved layout [K/2][N][2].
+// For the small experts of the tiny presets at::mm's fixed cost per call (primitive lookup, its own packing)
+// is a large part of each GEMM: 1.15-1.45x faster there (docs/PERFORMANCE.md). The sums are the same as
+// at::mm's at these sizes (the tests compare the two loops bit for bit).
+struct SmallGemm {
+  // rows k, k + 1 of src [K, N] (row stride ld) -> p [K/2][N][2]; N a multiple of 32
+  static void pack_rows(const at::BFloat16* src, int64_t ld, int64_t K, int64_t N, at::BFloat16* p) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                                        22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+    for (int64_t k = 0; k < K; k += 2) {
+      const at::BFloat16* r0 = src + k * ld;
+      at::BFloat16* o = p + k * N;
+      for (int64_t n = 0; n < N; n += 32) {
+        __m512i a = _mm512_loadu_si512(r0 + n), b = _mm512_loadu_si512(r0 + ld + n);
+        _mm512_storeu_si512(o + 2 * n, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(o + 2 * n + 32, _mm512_permutex2var_epi16(a, hi, b));
+      }
+    }
+  }
+  // the transpose of src [N, K] (row stride ld, even): p[k/2][n] as 32-bit pairs = src[n][k], src[n][k + 1]
+  static void pack_transposed(const at::BFloat16* src, int64_t ld, int64_t K, int64_t N, at::BFloat16* p) {
+    const auto* s32 = reinterpret_cast<const int32_t*>(src);
+    auto* p32 = reinterpret_cast<int32_t*>(p);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)(ld / 2)));
+    for (int64_t n = 0; n < N; n += 16)
+      for (int64_t kk = 0; kk < K / 2; ++kk)
+        _mm512_storeu_si512(p32 + kk * N + n, _mm512_i32gather_epi32(rows, s32 + n * (ld / 2) + kk, 4));
+  }
+  // whether out [M, N] = a [M, K] · b runs here: bf16, a with unit column stride, b row-major or a transposed
+  // row-major matrix, K even, N a multiple of 32, out contiguous
+  static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
+    const int64_t K = a.size(1), N = b.size(1);
+    return a.scalar_type() == at::kBFloat16 && a.stride(1) == 1 && (b.stride(1) == 1 || b.stride(0) == 1) &&
+           K % 2 == 0 && N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
+  }
+  // out = a · b, or with add out = a · b + out (rounded once, as addmm_)
+  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add) {
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    // per-thread scratch, grown as needed (never zero-filled: every element is written before it is read)
+    thread_local std::vector<at::BFloat16> packed;
+    thread_local std::vector<float> acc;
+    if ((int64_t)packed.size() < K * N) packed.resize(K * N);
+    if ((int64_t)acc.size() < M * N) acc.resize(M * N);
+    if (b.stride(1) == 1)
+      pack_rows(b.const_data_ptr<at::BFloat16>(), b.stride(0), K, N, packed.data());
+    else
+      pack_transposed(b.const_data_ptr<at::BFloat16>(), b.stride(1), K, N, packed.data());
+    at::native::cpublas::brgemm(M, N, K, a.stride(0), N, N, false, a.const_data_ptr<at::BFloat16>(), packed.data(),
+                                acc.data(), true);
+    auto* o = out.mutable_data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; i += 2 * fVec::size()) {
+      fVec x, y;
+      load2(acc.data() + i, x, y);
+      if (add) {
+        fVec u, v;
+        load2(o + i, u, v);
+        x = x + u;
+        y = y + v;
+      }
+      store2(o + i, x, y);
+    }
+  }
+};
+#endif
+
+// out = a · b (add: out += a · b): on the brgemm micro-kernel with `small` where SmallGemm fits, else ATen's.
+void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, bool small) {
+#ifdef MHMOE_BRGEMM
+  if (small) {
+    const Tensor rows = a.stride(1) == 1 ? a : a.contiguous();  // a transposed view: its rows copied out
+    if (SmallGemm::fits(out, rows, b)) {
+      SmallGemm::run(out, rows, b, add);
+      return;
+    }
+  }
+#endif
+  if (add)
+    out.addmm_(a, b);
+  else
+    at::mm_out(out, a, b);
+}
+
+// Release the micro-kernel's hardware state (AMX tiles) on this thread after a lane of experts.
+void release_small_gemm(bool small) {
+#ifdef MHMOE_BRGEMM
+  if (small) at::native::cpublas::brgemm_release(true);
+#endif
+}
+
 // Whole experts per lane, longest first onto the least-loaded lane (blocks of one expert stay on one thread,
 // so nothing races); with one lane the experts run in order and every GEMM uses all intra-op threads.
 std::vector<std::vector<int64_t>> lanes_of(const std::vector<int64_t>& sizes, int64_t threads) {
@@ -142,16 +243,18 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
 }
 
 template <typename F>
-void run_lanes(const std::vector<int64_t>& sizes, int64_t threads, const F& work) {
+void run_lanes(const std::vector<int64_t>& sizes, int64_t threads, bool small, const F& work) {
   auto lanes = lanes_of(sizes, threads);
   if (lanes.size() == 1) {
     for (int64_t e : lanes[0]) work(e);
+    release_small_gemm(small);
     return;
   }
   at::parallel_for(0, (int64_t)lanes.size(), 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;
     for (int64_t l = begin; l < end; ++l)
       for (int64_t e : lanes[l]) work(e);
+    release_small_gemm(small);
   });
 }
 
@@ -182,7 +285,7 @@ void check_hidden(const Tensor& xs, const Tensor& w1, const std::optional<Tensor
 // them (forward-only calls) every expert's pre-activations live in blocks of its own, freed after its GEMMs.
 void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
                     std::optional<Tensor> h1, std::optional<Tensor> h3, Tensor ys, std::vector<int64_t> starts,
-                    std::vector<int64_t> sizes, int64_t threads) {
+                    std::vector<int64_t> sizes, int64_t threads, bool small) {
   const bool glu = w3.has_value(), keep = h1.has_value();
   const int64_t F = w1.size(2);
   check_shapes(xs, w1, w2, w3, starts, sizes);
@@ -191,15 +294,15 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(sizes, threads, [&](int64_t e) {
+    run_lanes(sizes, threads, small, [&](int64_t e) {
       const int64_t r0 = starts[e], C = sizes[e];
       Tensor x = xs.narrow(0, r0, C);
       Tensor a1 = keep ? h1->narrow(0, r0, C) : xs.new_empty({C, F});
-      at::mm_out(a1, x, w1[e]);
+      matmul(a1, x, w1[e], false, small);
       Tensor act;
       if (glu) {
         Tensor a3 = keep ? h3->narrow(0, r0, C) : xs.new_empty({C, F});
-        at::mm_out(a3, x, (*w3)[e]);
+        matmul(a3, x, (*w3)[e], false, small);
         act = keep ? at::empty_like(a1) : a3;  // without buffers to keep, over h3 (read before written)
         RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
         swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
@@ -208,7 +311,7 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         act = keep ? at::relu(a1) : a1.relu_();
       }
       Tensor y = ys.narrow(0, r0, C);
-      at::mm_out(y, act, w2[e]);
+      matmul(y, act, w2[e], false, small);
     });
   });
 }
@@ -220,7 +323,8 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
 std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const std::optional<Tensor>& h3,
                                     const Tensor& dy, const Tensor& w1, const Tensor& w2,
                                     const std::optional<Tensor>& w3, std::optional<Tensor> dxs,
-                                    std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t threads) {
+                                    std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t threads,
+                                    bool small) {
   const int64_t E = w1.size(0);
   check_shapes(xs, w1, w2, w3, starts, sizes);
   check_hidden(xs, w1, w3, h1, h3);
@@ -239,10 +343,11 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
   }
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(sizes, threads, [&](int64_t e) {
+    run_lanes(sizes, threads, small, [&](int64_t e) {
       const int64_t r0 = starts[e], C = sizes[e];
       Tensor x = xs.narrow(0, r0, C), g = dy.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
-      Tensor da = at::mm(g, w2[e].t());  // [C, F]; becomes dh1
+      Tensor da = at::empty({C, w2.size(1)}, g.options());  // [C, F]; becomes dh1
+      matmul(da, g, w2[e].t(), false, small);
       Tensor xt = transpose_x ? x.t().contiguous() : x.t();
       Tensor gw1e = gw1[e], gw2e = gw2[e];
       if (glu) {
@@ -256,28 +361,28 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
         Tensor gw3e = gw3[e];
         {
           RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
-          at::mm_out(gw2e, act.t(), g);
-          at::mm_out(gw3e, xt, dh3);
+          matmul(gw2e, act.t(), g, false, small);
+          matmul(gw3e, xt, dh3, false, small);
         }
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
-          at::mm_out(dx, dh3, (*w3)[e].t());
-          dx.addmm_(da, w1[e].t());
+          matmul(dx, dh3, (*w3)[e].t(), false, small);
+          matmul(dx, da, w1[e].t(), true, small);
         }
       } else {
         Tensor act = at::relu(a1);
         {
           RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
-          at::mm_out(gw2e, act.t(), g);
+          matmul(gw2e, act.t(), g, false, small);
         }
         da = at::threshold_backward(da, a1, 0);
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
-          at::mm_out(dx, da, w1[e].t());
+          matmul(dx, da, w1[e].t(), false, small);
         }
       }
       RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
-      at::mm_out(gw1e, xt, da);
+      matmul(gw1e, xt, da, false, small);
     });
   });
   if (glu) return {gw1, gw2, gw3};
@@ -288,9 +393,9 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
 
 TORCH_LIBRARY(mhmoe_cpu, m) {
   m.def("expert_forward(Tensor xs, Tensor w1, Tensor w2, Tensor? w3, Tensor(a!)? h1, Tensor(b!)? h3, Tensor(c!) ys, "
-        "int[] starts, int[] sizes, int threads) -> ()");
+        "int[] starts, int[] sizes, int threads, bool small=False) -> ()");
   m.def("expert_backward(Tensor xs, Tensor h1, Tensor? h3, Tensor dy, Tensor w1, Tensor w2, Tensor? w3, "
-        "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads) -> Tensor[]");
+        "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads, bool small=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mhmoe_cpu, CPU, m) {
