@@ -329,3 +329,27 @@ def test_generate_throughput_benchmark_smoke(tmp_path, capsys):
     assert [r["preset"] for r in rows] == ["tiny-dense", "tiny-mh3"] and rows[0]["vs_dense"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows) and rows[1]["vs_dense"] > 0
     assert bench.main(["--presets", "tiny-dense", "--new-tokens", "0"]) == 2
+
+
+def test_small_gemm_benchmark_smoke(tmp_path, capsys):
+    import importlib.util
+
+    from mhmoe.moe.dispatch import fused, native
+    from mhmoe.runtime.cpu import cpu_isa
+
+    if native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512" or cpu_isa() not in BF16_ISAS:
+        pytest.skip("the C++ loop's micro-kernel path needs an AVX-512 build and native bf16")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "small_gemm.py"
+    spec = importlib.util.spec_from_file_location("small_gemm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rule = fused.small_gemm
+    out = tmp_path / "sg.json"
+    assert bench.main(["--layers", "tiny-mh3", "--rounds", "1", "--json", str(out)]) == 0
+    assert fused.small_gemm is rule  # the rule is back after the benchmark
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["layer"] == "tiny-mh3" and row["d_in"] == 64 and row["ms_aten"] > 0 and row["ms_brgemm"] > 0
+    assert row["tensors"] == 10 and row["tensors_equal"] >= 2  # the output and the input gradient at least
+
+
+BF16_ISAS = ("avx512_bf16", "amx")

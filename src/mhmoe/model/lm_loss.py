@@ -5,12 +5,13 @@ Shape legend: N = B * T positions, D model dim, V vocabulary, C rows of one chun
 :func:`token_loss` is the reference: cross-entropy in fp32 of given logits [B, T, V].
 :func:`chunked_token_loss` computes the same loss from the final hidden states and the LM head weight
 without ever holding the [N, V] logits: per chunk of C rows it computes the logits (in the input dtype,
-as ``nn.Linear`` under autocast), their log-sum-exp in fp32, the loss and, when a gradient is needed, the
-chunk's logit gradient ``softmax - onehot`` and from it the chunk's input gradient [C, D] and its share of
-the weight gradient [V, D] (accumulated in fp32). The backward only scales those by the incoming gradient.
-Peak memory is one chunk's fp32 logits instead of the [N, V] logits in the compute dtype, an fp32 copy,
-its log-softmax and their gradients (on CPU those buffers are hundreds of MB per step at the tiny presets'
-16 x 256 x 8,192 and page-fault in whenever the allocator hands back fresh memory).
+as ``nn.Linear`` under autocast), each row's log-sum-exp in fp32, the loss and, when a gradient is needed,
+the chunk's logit gradient ``softmax - onehot`` and from it the chunk's input gradient [C, D] and its share
+of the weight gradient [V, D] (accumulated in fp32). The backward only scales those by the incoming gradient.
+On a CPU one C++ op does a chunk's rows in place of its logits (:func:`mhmoe.moe.dispatch.native.token_xent_`:
+a max pass, an exp pass into an fp32 row, a gradient pass); elsewhere torch ops do the same. Peak memory is
+one chunk's logits (and, off the CPU op, their fp32 copy) instead of the [N, V] logits, an fp32 copy, its
+log-softmax and their gradients.
 Measurements: docs/PERFORMANCE.md, "Whole models".
 """
 
@@ -22,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mhmoe.moe.dispatch.native import token_xent_
+
 IGNORE = -100  # target value of positions without a loss (masked or padding)
 CHUNK_LOGITS = 1 << 23  # fp32 logits per chunk (32 MB): rows = CHUNK_LOGITS // V, at least MIN_CHUNK_ROWS
 MIN_CHUNK_ROWS = 128
-TINY = torch.finfo(torch.float32).tiny  # a position's loss is -log(max(p, TINY)): at most 87.3 nats
 
 
 def token_loss(logits: Tensor, targets: Tensor, keep: Tensor | None = None) -> Tensor:
@@ -58,33 +60,45 @@ def chunked_token_loss(hidden: Tensor, weight: Tensor, targets: Tensor, keep: Te
         return _ChunkedLinearCrossEntropy.apply(h, weight, tgt.reshape(-1), n_rows)
 
 
+def _rows(logits: Tensor, tgt: Tensor, grad: bool) -> tuple[Tensor, Tensor]:
+    """One chunk: logits [C, V] (the compute dtype), tgt [C] -> (the rows' losses [C] fp32, 0 where ignored;
+    softmax - onehot [C, V] in the logits' dtype, zero rows where ignored, only with ``grad``). On a CPU the C++
+    op does it in place of the logits (:func:`mhmoe.moe.dispatch.native.token_xent_`), elsewhere torch ops."""
+    losses = token_xent_(logits, tgt, grad)
+    if losses is not None:
+        return losses, logits
+    kept = (tgt != IGNORE).unsqueeze(1)
+    idx = tgt.clamp(min=0).unsqueeze(1)
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=1, keepdim=True)
+    losses = torch.where(kept, lse - x.gather(1, idx), 0.0).squeeze(1)
+    if not grad:
+        return losses, logits
+    prob = x.sub_(lse).exp_().scatter_add_(1, idx, -kept.float()).masked_fill_(~kept, 0.0)  # softmax - onehot
+    return losses, prob.to(logits.dtype)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """loss = mean over kept rows of logsumexp(h W^T) - (h W^T)[target]; gradients computed in forward."""
 
     @staticmethod
     def forward(ctx: Any, h: Tensor, w: Tensor, tgt: Tensor, rows: int) -> Tensor:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        kept = tgt != IGNORE
-        count = kept.sum().float()
+        count = (tgt != IGNORE).sum().float()
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
         for s in range(0, h.shape[0], rows):
-            hc, tc, kc = h[s:s + rows], tgt[s:s + rows], kept[s:s + rows].unsqueeze(1)
-            prob = torch.softmax(hc @ w.t(), dim=1, dtype=torch.float32)  # [C, V]
-            idx = tc.clamp(min=0).unsqueeze(1)
-            total = total - (prob.gather(1, idx).clamp_(min=TINY).log_() * kc).sum()
-            if dh is None and dw is None:
-                continue
-            grad = prob.scatter_add_(1, idx, -kc.float()).to(h.dtype)  # softmax - onehot
-            if dh is not None:  # ignored rows: no gradient (zeroed on the [C, D] side, not the [C, V] one)
-                torch.mm(grad, w, out=dh[s:s + rows]).mul_(kc)
+            hc = h[s:s + rows]
+            losses, grad = _rows(hc @ w.t(), tgt[s:s + rows], dh is not None or dw is not None)
+            total = total + losses.sum()
+            if dh is not None:
+                torch.mm(grad, w, out=dh[s:s + rows])
             if dw is not None:
-                hk = hc * kc
                 if dw.dtype == grad.dtype:
-                    dw.addmm_(grad.t(), hk)
+                    dw.addmm_(grad.t(), hc)
                 else:
-                    dw.add_(grad.t() @ hk)
+                    dw.add_(grad.t() @ hc)
         ctx.save_for_backward(dh, dw, count)
         ctx.w_dtype = w.dtype
         return total / count

@@ -24,7 +24,11 @@ copy into (value, index) pairs with ``nth_element`` and a sort (1.9 vs 5.5 ms fo
 one thread). Rows where equal scores or a NaN leave the choice or the order to ``torch.topk``'s tie handling are
 recomputed by ``torch.topk``, so the experts are ``torch.topk``'s on every row, with or without the extension.
 
-The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` (schemas in the .cpp files).
+The LM loss's rows (:func:`token_xent_`, used by :func:`mhmoe.model.lm_loss.chunked_token_loss`): each row's
+cross-entropy and its logit gradient in one pass per step over the row, in place of the logits.
+
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``token_xent_`` (schemas
+in the .cpp files).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.runtime.cpu import cpu_isa
 
-SOURCES = [Path(__file__).with_name(name) for name in ("expert_loop.cpp", "router_topk.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -167,6 +171,19 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     if rows.numel():
         ids.index_copy_(0, rows, torch.topk(scores.index_select(0, rows), k, dim=-1).indices)
     return ids
+
+
+def token_xent_(logits: Tensor, targets: Tensor, grad: bool) -> Tensor | None:
+    """The LM loss's per-row work in one C++ pass per row (``token_xent.cpp``): returns the rows' cross-entropies
+    [C] fp32 (0 where the target is -100) and, with ``grad``, overwrites ``logits`` [C, V] (float32 or bfloat16,
+    contiguous) with softmax - onehot (zero rows where the target is -100). None where the op does not run (off
+    a CPU, other dtypes, under ``torch.compile`` or a dispatch mode, ``MHMOE_NATIVE=0``, no extension): the
+    caller computes the same with torch ops."""
+    if (torch.compiler.is_compiling() or logits.device.type != "cpu" or logits.dtype not in DTYPES
+            or not logits.is_contiguous() or not enabled() or is_in_torch_dispatch_mode()):
+        return None
+    ops = _ops()
+    return None if ops is None else ops.token_xent_(logits, targets, grad)
 
 
 def main() -> int:

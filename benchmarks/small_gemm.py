@@ -1,0 +1,120 @@
+"""The C++ expert loop's two GEMM back ends on bf16 MoE layers: ATen's ``at::mm`` against oneDNN's brgemm
+micro-kernel with the loop's own packing (``small`` in :mod:`mhmoe.moe.dispatch.native`; ``auto`` uses it for
+experts whose weight matrices have fewer than ``SMALL_GEMM_WEIGHTS`` elements on the ISAs listed there).
+
+Each layer (``benchmarks/cpu_dispatch.py``'s configurations, ``auto``'s row layout) runs forward + backward
+with both back ends in turn, round-robin in one process; medians, the speedup and how many of the output and
+gradient tensors came out bit-identical (``auto`` uses the micro-kernel only where the layer's weight matrices are
+small; at larger ones at::mm splits the sums differently)::
+
+    MHMOE_MALLOC=tuned python benchmarks/small_gemm.py --threads 2 \\
+        --json benchmarks/results/small_gemm_avx512bf16_2t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_dispatch import layer_configs  # noqa: E402
+
+import mhmoe.moe.dispatch.fused as fused  # noqa: E402
+from mhmoe.moe.dispatch import native  # noqa: E402
+from mhmoe.moe.experts import GroupedExperts  # noqa: E402
+from mhmoe.moe.layers import build_ffn_layer  # noqa: E402
+from mhmoe.runtime.cpu import cpu_info, cpu_isa  # noqa: E402
+from mhmoe.runtime.cpu_malloc import malloc_from_env  # noqa: E402
+
+LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "mh3", "mh2"]
+NATIVE_BF16 = ("avx512_bf16", "amx")  # the ISAs whose bf16 micro-kernel oneDNN runs natively
+
+
+@contextmanager
+def brgemm(on: bool) -> Iterator[None]:
+    """Within the block the fused path's C++ loop uses the micro-kernel (on) or at::mm (off) for every layer."""
+    rule = fused.small_gemm
+    fused.small_gemm = lambda *args: on  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fused.small_gemm = rule  # type: ignore[assignment]
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Forward + backward; the output and every gradient (inputs first)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out = layer(x, mask=None).out
+    out.float().square().mean().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+def measure(name: str, rounds: int, seed: int = 0) -> dict:
+    d, moe, tokens = layer_configs()[name]
+    torch.manual_seed(seed)
+    layer = build_ffn_layer(d, replace(moe, impl="auto")).to(torch.bfloat16)
+    x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    results, times = {}, {False: [], True: []}
+    for flag in (False, True):
+        with brgemm(flag):
+            results[flag] = _step(layer, x)
+    for _ in range(rounds):
+        for flag in (False, True):
+            with brgemm(flag):
+                t0 = time.perf_counter()
+                _step(layer, x)
+                times[flag].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
+    experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))  # the routed experts
+    return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
+            "tokens": tokens or 2048, "ms_aten": ms[False], "ms_brgemm": ms[True], "speedup": ms[False] / ms[True],
+            "auto_uses_brgemm": native.small_gemm(torch.bfloat16, experts.d_in, experts.d_hidden),
+            "tensors_equal": sum(equal), "tensors": len(equal)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", nargs="+", default=LAYERS, choices=sorted(layer_configs()), help="layers to time")
+    p.add_argument("--rounds", type=int, default=9, help="timed round-robin rounds")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
+    args = p.parse_args(argv)
+    malloc_from_env()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512" or cpu_isa() not in NATIVE_BF16:
+        print("small_gemm: needs the C++ expert loop built for AVX-512 and a CPU with native bf16 "
+              f"({', '.join(NATIVE_BF16)}; this one: {cpu_isa()})", file=sys.stderr)
+        return 2
+    rows = []
+    for name in args.layers:
+        row = measure(name, args.rounds)
+        rows.append(row)
+        print(f"{name:11s} at::mm {row['ms_aten']:7.1f} ms  brgemm {row['ms_brgemm']:7.1f} ms  "
+              f"speedup {row['speedup']:.3f}  equal {row['tensors_equal']}/{row['tensors']}  "
+              f"auto: {'brgemm' if row['auto_uses_brgemm'] else 'at::mm'}")
+    model = cpu_info()[0]
+    print(f"{model} ({cpu_isa()}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.json:
+        out = {"machine": {"cpu": model, "isa": cpu_isa(), "threads": torch.get_num_threads(),
+                           "torch": torch.__version__},
+               "date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
+               "rounds": args.rounds, "rows": rows}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
