@@ -5,10 +5,14 @@ experts whose weight matrices have fewer than ``SMALL_GEMM_WEIGHTS`` elements on
 Each layer (``benchmarks/cpu_dispatch.py``'s configurations, ``auto``'s row layout) runs forward + backward
 with both back ends in turn, round-robin in one process; medians, the speedup and how many of the output and
 gradient tensors came out bit-identical (``auto`` uses the micro-kernel only where the layer's weight matrices are
-small; at larger ones at::mm splits the sums differently)::
+small; at larger ones at::mm splits the sums differently). With ``--presets``, whole training steps of those
+presets instead (``benchmarks/train_throughput.py``'s step, bf16), each back end with rows aligned to 16 and to
+32, against the dense preset's FLOP rate::
 
     MHMOE_MALLOC=tuned python benchmarks/small_gemm.py --threads 2 \\
         --json benchmarks/results/small_gemm_avx512bf16_2t.json
+    MHMOE_MALLOC=tuned python benchmarks/small_gemm.py --threads 2 --presets tiny-mh2 tiny-mh3 \\
+        --json benchmarks/results/small_gemm_models_avx512bf16_2t.json
 """
 
 from __future__ import annotations
@@ -41,14 +45,17 @@ NATIVE_BF16 = ("avx512_bf16", "amx")  # the ISAs whose bf16 micro-kernel oneDNN 
 
 
 @contextmanager
-def brgemm(on: bool) -> Iterator[None]:
-    """Within the block the fused path's C++ loop uses the micro-kernel (on) or at::mm (off) for every layer."""
-    rule = fused.small_gemm
+def brgemm(on: bool, align: int | None = None) -> Iterator[None]:
+    """Within the block the fused path's C++ loop uses the micro-kernel (on) or at::mm (off) for every layer, and
+    with ``align`` rows aligned to it instead of the dispatch table's alignment."""
+    rule, table = fused.small_gemm, fused.cpu_choice
     fused.small_gemm = lambda *args: on  # type: ignore[assignment]
+    if align:
+        fused.cpu_choice = lambda *a, **k: replace(table(*a, **k), align=align)  # type: ignore[assignment]
     try:
         yield
     finally:
-        fused.small_gemm = rule  # type: ignore[assignment]
+        fused.small_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -84,9 +91,32 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
             "tensors_equal": sum(equal), "tensors": len(equal)}
 
 
+def measure_models(presets: list[str], rounds: int, dense: str = "tiny-dense") -> list[dict]:
+    """Training steps of ``presets`` (bf16) per (back end, alignment), round-robin with the ``dense`` preset."""
+    from train_throughput import prepare_preset
+
+    cpu = torch.device("cpu")
+    steps = {name: prepare_preset(name, cpu, "bfloat16") for name in [dense, *presets]}
+    variants = [(dense, False, None)] + [(p, on, a) for p in presets for on in (False, True) for a in (16, 32)]
+    times: dict[tuple, list[float]] = {v: [] for v in variants}
+    for r in range(rounds + 2):  # two warm-up rounds
+        for v in variants:
+            with brgemm(v[1], v[2]):
+                seconds = steps[v[0]][0](r)[0]
+            if r >= 2:
+                times[v].append(seconds)
+    base = statistics.median(times[variants[0]]) / steps[dense][1]["fwd_flops_per_token"]
+    return [{"preset": p, "gemm": "micro-kernel" if on else "at::mm", "align": a,
+             "ms_per_step": statistics.median(times[(p, on, a)]) * 1e3,
+             "vs_dense": base * steps[p][1]["fwd_flops_per_token"] / statistics.median(times[(p, on, a)])}
+            for p, on, a in variants]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", nargs="+", default=LAYERS, choices=sorted(layer_configs()), help="layers to time")
+    p.add_argument("--presets", nargs="+", default=None,
+                   help="time whole bf16 training steps of these presets instead of layers (against tiny-dense)")
     p.add_argument("--rounds", type=int, default=9, help="timed round-robin rounds")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
@@ -99,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({', '.join(NATIVE_BF16)}; this one: {cpu_isa()})", file=sys.stderr)
         return 2
     rows = []
-    for name in args.layers:
+    if args.presets:
+        rows = measure_models(args.presets, args.rounds)
+        for row in rows:
+            print(f"{row['preset']:11s} {row['gemm']:12s} align {row['align'] or '-':>2}  "
+                  f"{row['ms_per_step']:7.1f} ms/step  vs dense {row['vs_dense']:.3f}")
+    for name in [] if args.presets else args.layers:
         row = measure(name, args.rounds)
         rows.append(row)
         print(f"{name:11s} at::mm {row['ms_aten']:7.1f} ms  brgemm {row['ms_brgemm']:7.1f} ms  "
