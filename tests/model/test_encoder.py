@@ -90,6 +90,9 @@ def test_loss_is_the_masked_positions_cross_entropy():
     torch.testing.assert_close(out.loss, want)
     assert out.total_loss == out.loss + out.aux_loss
     assert model(**a).loss is None
+    only = model(**a, targets=targets, loss_mask=loss_mask, return_logits=False)  # the head in row chunks
+    assert only.logits is None
+    torch.testing.assert_close(only.loss, want)
 
 
 def test_modality_and_patch_embeddings_are_used():

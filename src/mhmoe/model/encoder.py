@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables, run_blocks
-from mhmoe.model.lm_loss import token_loss
+from mhmoe.model.lm_loss import chunked_token_loss, token_loss
 from mhmoe.moe.layers import FFNOutput, RoutingStats
 
 N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)
@@ -40,11 +40,12 @@ N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODAL
 
 @dataclass
 class EncoderOutput:
-    """logits [B, T, V]; loss = mean cross-entropy over the masked positions (None without targets);
+    """logits [B, T, V] (None when asked for the loss only); loss = mean cross-entropy over the masked positions
+    (None without targets);
     aux_loss = summed weighted router losses of all MoE layers (0-dim fp32); routing = one
     RoutingStats per MoE layer; layer_outputs = full routing decisions when return_routing=True."""
 
-    logits: Tensor
+    logits: Tensor | None
     loss: Tensor | None
     aux_loss: Tensor
     routing: list[RoutingStats] = field(default_factory=list)
@@ -110,10 +111,12 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: Tensor, modality: Tensor | None = None, patch_pos: Tensor | None = None,
                 attention_mask: Tensor | None = None, targets: Tensor | None = None, loss_mask: Tensor | None = None,
-                return_routing: bool = False) -> EncoderOutput:
+                return_routing: bool = False, return_logits: bool = True) -> EncoderOutput:
         """input_ids/modality/attention_mask/targets/loss_mask [B, T]; patch_pos [B, T, 2] (grid row and
         column of image patches, -1 elsewhere). Defaults: text everywhere, no patches, no padding, and
-        the loss over every real position. ``loss`` = mean cross-entropy over ``loss_mask`` (fp32)."""
+        the loss over every real position. ``loss`` = mean cross-entropy over ``loss_mask`` (fp32);
+        ``return_logits=False`` with targets: the head and the loss in row chunks, no logits (as
+        :meth:`mhmoe.model.lm.LM.forward`)."""
         if input_ids.dim() != 2:
             raise ValueError(f"invalid input_ids shape {tuple(input_ids.shape)}: allowed [B, T]")
         B, T = input_ids.shape
@@ -127,11 +130,13 @@ class Encoder(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, attention_mask, key_mask=attention_mask,
                                               return_routing=return_routing)
-        logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            loss = token_loss(logits, targets, loss_mask if loss_mask is not None else attention_mask)
-        return EncoderOutput(logits, loss, aux, routing, outputs if return_routing else None)
+        h, layers = self.norm(x), outputs if return_routing else None
+        keep = loss_mask if loss_mask is not None else attention_mask
+        if targets is not None and not return_logits and not torch.compiler.is_compiling():
+            return EncoderOutput(None, chunked_token_loss(h, self.lm_head.weight, targets, keep), aux, routing, layers)
+        logits = self.lm_head(h)
+        loss = None if targets is None else token_loss(logits, targets, keep)
+        return EncoderOutput(logits, loss, aux, routing, layers)
 
     @torch.no_grad()
     def balance_step(self, routing: list[RoutingStats], apply: Tensor | None = None) -> None:

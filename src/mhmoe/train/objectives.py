@@ -157,7 +157,8 @@ class MaskedMultimodalObjective:
         return MultimodalBatch(**{f.name: _to_device(getattr(b, f.name), device) for f in fields(b)})
 
     def forward(self, module: nn.Module, b: MultimodalBatch) -> Any:
-        return module(b.input_ids, b.modality, b.patch_pos, b.attention_mask, b.targets, b.loss_mask)
+        return module(b.input_ids, b.modality, b.patch_pos, b.attention_mask, b.targets, b.loss_mask,
+                      return_logits=False)
 
     def eval_size(self, max_batches: int | None) -> int:
         return len(self.val_batches(max_batches))
