@@ -105,3 +105,35 @@ def test_generation_skips_router_losses_and_statistics(preset):
     torch.testing.assert_close(cached.logits, full.logits, rtol=1e-5, atol=1e-5)
     out = generate(model, idx[:1, :4], 6, temperature=0)
     assert out.shape == (1, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ffn", ["swiglu", "relu"])
+@pytest.mark.parametrize("D, Fh", [(64, 128), (24, 40), (5, 3)])  # vector widths and their remainders
+def test_native_pairs_match_the_gathered_weights(monkeypatch, dtype, ffn, D, Fh):
+    """The C++ op (weights read in place) against the same pairs on gathered weights (batched GEMMs): fp32 to
+    rounding, bf16 within bf16 steps (both round the pre-activations, silu and the product to bf16)."""
+    from mhmoe.moe.dispatch import native
+
+    if native.expert_ops(torch.float32) is None:
+        pytest.skip("C++ extension not built here")
+    gen = torch.Generator().manual_seed(D + Fh)
+    torch.manual_seed(D)
+    experts = GroupedExperts(7, D, Fh, ffn, init_std=0.3).to(dtype)
+    x = torch.randn(10, D, generator=gen).to(dtype)
+    route = _route(10, 7, 3, gen)
+    with torch.no_grad():
+        ids = route.experts.reshape(-1)
+        rows = x[:, None, :].expand(10, 3, D).reshape(30, 1, D)
+        got = native.gathered_ffn(rows.reshape(30, D), ids, experts.w1, experts.w2, experts.w3)
+        want = experts.forward_gathered(rows, ids).reshape(30, D)
+        calls = []
+        monkeypatch.setattr(gathered, "gathered_ffn", lambda *a: calls.append(1) or native.gathered_ffn(*a))
+        gathered.gathered_moe(x, route, experts)
+    assert got is not None and got.dtype == dtype and calls == [1]  # gathered_moe runs the op here
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.03, atol=0.03 * want.abs().max())
+    torch.testing.assert_close(got, want, **tol)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="out of range"):
+        native.gathered_ffn(rows.reshape(30, D), ids + 7, experts.w1, experts.w2, experts.w3)
+    with torch.enable_grad():  # a gradient wanted: never the op
+        assert native.gathered_ffn(rows.reshape(30, D), ids, experts.w1, experts.w2, experts.w3) is None

@@ -27,8 +27,11 @@ recomputed by ``torch.topk``, so the experts are ``torch.topk``'s on every row, 
 The LM loss's rows (:func:`token_xent_`, used by :func:`mhmoe.model.lm_loss.chunked_token_loss`): each row's
 cross-entropy and its logit gradient in one pass per step over the row, in place of the logits.
 
-The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``token_xent_`` (schemas
-in the .cpp files).
+Generation's pairs (:func:`gathered_ffn`, used by :mod:`mhmoe.moe.dispatch.gathered`): each (token, slot) pair's
+FFN read straight from its expert's weights instead of gathering weight copies.
+
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``token_xent_`` /
+``gathered_ffn`` (schemas in the .cpp files).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.runtime.cpu import cpu_isa
 
-SOURCES = [Path(__file__).with_name(name) for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -184,6 +188,20 @@ def token_xent_(logits: Tensor, targets: Tensor, grad: bool) -> Tensor | None:
         return None
     ops = _ops()
     return None if ops is None else ops.token_xent_(logits, targets, grad)
+
+
+def gathered_ffn(x: Tensor, ids: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> Tensor | None:
+    """Generation's pairs in C++ (``gathered_ffn.cpp``): row n of x [N, D] through expert ``ids[n]``'s FFN read in
+    place (w1, w3 [E, D, F], w2 [E, F, D]; no biases, not quantized) -> [N, D]. None where the op does not run
+    (off a CPU, other dtypes or mixed ones, under autocast, ``torch.compile``, a dispatch mode or a gradient,
+    ``MHMOE_NATIVE=0``, no extension): the caller gathers the weights and runs batched GEMMs."""
+    ws = [w for w in (w1, w2, w3) if w is not None]
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu") or any(w.dtype != x.dtype or not w.is_contiguous() for w in ws)
+            or not enabled() or is_in_torch_dispatch_mode()):
+        return None
+    ops = _ops()
+    return None if ops is None else ops.gathered_ffn(x.contiguous(), ids, w1, w2, w3)
 
 
 def main() -> int:
