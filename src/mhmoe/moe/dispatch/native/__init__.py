@@ -1,5 +1,5 @@
-"""The fused path's CPU expert loop and the router's top-k in C++ (``expert_loop.cpp``, ``router_topk.cpp``),
-compiled on first use.
+"""The fused path's CPU expert loop, the router's top-k, the LM loss's rows and generation's expert pairs in C++
+(``expert_loop.cpp``, ``router_topk.cpp``, ``token_xent.cpp``, ``gathered_ffn.cpp``), compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
 same order -- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop
@@ -13,7 +13,7 @@ last bit may differ). Why C++ and not ``torch.compile``: the loop's row counts c
 
 How it is built: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``, a dependency)
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), once per
-machine, ISA and source version: about 10-20 s. ``python -m mhmoe.moe.dispatch.native`` builds it ahead of
+machine, ISA and source version: about 25 s on 2 cores. ``python -m mhmoe.moe.dispatch.native`` builds it ahead of
 time (``make install`` does). Where it cannot be built the fused path runs its Python loop (one warning);
 ``MHMOE_NATIVE=0`` turns it off, :func:`disabled` within a block (the export check compares the exported code,
 which has no C++ ops, with the library's Python loop). Forward-only calls pass no hidden buffers: each expert's
