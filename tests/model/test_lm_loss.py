@@ -160,3 +160,12 @@ def test_model_loss_only_path_matches_logits_path(tied):
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(grads[0][1], grads[1][1], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_use_chunks_rule():
+    """Always on a CPU; elsewhere only for large logits (a meta tensor stands in for a GPU's); never compiled."""
+    from mhmoe.model.lm_loss import CHUNKED_OFF_CPU, use_chunks
+
+    assert use_chunks(torch.zeros(2, 3, 8), 10)
+    small, big = torch.empty(4, 512, 8, device="meta"), torch.empty(64, 4096, 8, device="meta")
+    assert not use_chunks(small, 1000) and 64 * 4096 * 1024 >= CHUNKED_OFF_CPU and use_chunks(big, 1024)

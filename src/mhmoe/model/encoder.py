@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from mhmoe.config.model import ModelConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM, Block, RMSNorm, rope_tables, run_blocks
-from mhmoe.model.lm_loss import chunked_token_loss, token_loss
+from mhmoe.model.lm_loss import chunked_token_loss, token_loss, use_chunks
 from mhmoe.moe.layers import FFNOutput, RoutingStats
 
 N_MODALITIES = 2  # 0 text, 1 image (mhmoe.data.multimodal.MODALITY_TEXT / MODALITY_IMAGE)
@@ -132,7 +132,7 @@ class Encoder(nn.Module):
                                               return_routing=return_routing)
         h, layers = self.norm(x), outputs if return_routing else None
         keep = loss_mask if loss_mask is not None else attention_mask
-        if targets is not None and not return_logits and not torch.compiler.is_compiling():
+        if targets is not None and not return_logits and use_chunks(h, self.cfg.vocab_size):
             return EncoderOutput(None, chunked_token_loss(h, self.lm_head.weight, targets, keep), aux, routing, layers)
         logits = self.lm_head(h)
         loss = None if targets is None else token_loss(logits, targets, keep)

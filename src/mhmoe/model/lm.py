@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
-from mhmoe.model.lm_loss import chunked_token_loss, token_loss
+from mhmoe.model.lm_loss import chunked_token_loss, token_loss, use_chunks
 from mhmoe.model.pretrained import PretrainedMixin
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
@@ -242,8 +242,9 @@ class LM(nn.Module, PretrainedMixin):
         and no ``targets`` (generation) the router losses and routing statistics are not computed: ``aux_loss``
         is 0 and ``routing`` empty unless ``return_routing``. ``return_logits=False`` with ``targets`` (training,
         evaluation): the loss is computed with the LM head in row chunks
-        (:func:`~mhmoe.model.lm_loss.chunked_token_loss`) and ``logits`` is None; compiled graphs keep the plain
-        head and loss, which the compiler fuses."""
+        (:func:`~mhmoe.model.lm_loss.chunked_token_loss`) and ``logits`` is None, on a CPU, and elsewhere when the
+        batch's logits are large (:func:`~mhmoe.model.lm_loss.use_chunks`); otherwise, and in compiled graphs, the
+        plain head and loss run (``logits`` returned)."""
         if idx.dim() != 2:
             raise ValueError(f"invalid idx shape {tuple(idx.shape)}: allowed [B, T]")
         B, T = idx.shape
@@ -257,7 +258,7 @@ class LM(nn.Module, PretrainedMixin):
         stats = cache is None or targets is not None or return_routing
         x, aux, routing, outputs = run_blocks(self.blocks, x, cos, sin, mask, cache, key_mask, return_routing, stats)
         h, layers = self.norm(x), outputs if return_routing else None
-        if targets is not None and not return_logits and not torch.compiler.is_compiling():
+        if targets is not None and not return_logits and use_chunks(h, self.cfg.vocab_size):
             return LMOutput(None, chunked_token_loss(h, self.lm_head.weight, targets, mask), aux, routing, layers)
         logits = self.lm_head(h)
         loss = None if targets is None else token_loss(logits, targets, mask)

@@ -28,6 +28,7 @@ from mhmoe.moe.dispatch.native import token_xent_
 IGNORE = -100  # target value of positions without a loss (masked or padding)
 CHUNK_LOGITS = 1 << 23  # fp32 logits per chunk (32 MB): rows = CHUNK_LOGITS // V, at least MIN_CHUNK_ROWS
 MIN_CHUNK_ROWS = 128
+CHUNKED_OFF_CPU = 1 << 28  # off a CPU, chunks only when the batch's fp32 logits would reach 1 GiB
 
 
 def token_loss(logits: Tensor, targets: Tensor, keep: Tensor | None = None) -> Tensor:
@@ -35,6 +36,16 @@ def token_loss(logits: Tensor, targets: Tensor, keep: Tensor | None = None) -> T
     ``keep`` [B, T] marks (all when None); no host synchronisation."""
     tgt = targets if keep is None else targets.masked_fill(~keep.bool(), IGNORE)
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE)
+
+
+def use_chunks(hidden: Tensor, vocab: int) -> bool:
+    """Whether a loss-only forward takes :func:`chunked_token_loss`: on a CPU always (measured faster, see the module
+    docstring); on other devices when the fp32 logits of the whole batch would reach ``CHUNKED_OFF_CPU`` elements
+    (the memory they free matters there; their speed against the fused cross-entropy kernels is not measured);
+    never while compiling (the compiler fuses the plain head and loss)."""
+    if torch.compiler.is_compiling():
+        return False
+    return hidden.device.type == "cpu" or hidden.numel() // hidden.shape[-1] * vocab >= CHUNKED_OFF_CPU
 
 
 def chunk_rows(vocab: int, positions: int) -> int:
