@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 #include <vector>
 
@@ -149,15 +150,19 @@ struct SmallGemm {
       for (int64_t kk = 0; kk < K / 2; ++kk)
         _mm512_storeu_si512(p32 + kk * N + n, _mm512_i32gather_epi32(rows, s32 + n * (ld / 2) + kk, 4));
   }
-  // whether out [M, N] = a [M, K] · b runs here: bf16, a with unit column stride, b row-major or a transposed
-  // row-major matrix, K even, N a multiple of 32, out contiguous
+  // whether out [M, N] = a [M, K] · b runs here: bf16, b row-major or the transpose of a row-major matrix whose
+  // element pairs are 4-byte aligned (even row stride and offset), K even, N a multiple of 32, out contiguous
   static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
     const int64_t K = a.size(1), N = b.size(1);
-    return a.scalar_type() == at::kBFloat16 && a.stride(1) == 1 && (b.stride(1) == 1 || b.stride(0) == 1) &&
-           K % 2 == 0 && N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
+    const bool rows = b.stride(1) == 1;
+    const bool pairs = b.stride(0) == 1 && b.stride(1) % 2 == 0 &&
+                       reinterpret_cast<uintptr_t>(b.const_data_ptr()) % 4 == 0;
+    return a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && (rows || pairs) && K % 2 == 0 &&
+           N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
-  // out = a · b, or with add out = a · b + out (rounded once, as addmm_)
-  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add) {
+  // out = a · b, or with add out = a · b + out (rounded once, as addmm_); a transposed view's rows are copied out
+  static void run(Tensor& out, const Tensor& a_in, const Tensor& b, bool add) {
+    const Tensor a = a_in.stride(1) == 1 ? a_in : a_in.contiguous();
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     // per-thread scratch, grown as needed (never zero-filled: every element is written before it is read)
     thread_local std::vector<at::BFloat16> packed;
@@ -189,12 +194,9 @@ struct SmallGemm {
 // out = a · b (add: out += a · b): on the brgemm micro-kernel with `small` where SmallGemm fits, else ATen's.
 void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, bool small) {
 #ifdef MHMOE_BRGEMM
-  if (small) {
-    const Tensor rows = a.stride(1) == 1 ? a : a.contiguous();  // a transposed view: its rows copied out
-    if (SmallGemm::fits(out, rows, b)) {
-      SmallGemm::run(out, rows, b, add);
-      return;
-    }
+  if (small && SmallGemm::fits(out, a, b)) {
+    SmallGemm::run(out, a, b, add);
+    return;
   }
 #endif
   if (add)
