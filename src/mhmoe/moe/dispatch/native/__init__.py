@@ -37,6 +37,7 @@ The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_r
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -55,6 +56,7 @@ from mhmoe.runtime.cpu import cpu_isa
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp")]
+HEADERS = [Path(__file__).with_name("vec_io.h")]  # included by the sources; their hash is part of the build's key
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -116,17 +118,23 @@ def build(verbose: bool = False) -> None:
         os.environ["PATH"] = extra + os.pathsep + path
     try:
         load(name=f"mhmoe_expert_loop_{cap.lower()}", sources=[str(p) for p in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(cap, [])], verbose=verbose)
+             extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(cap, []), f"-DMHMOE_HEADERS={_headers_key()}"],
+             verbose=verbose)
     finally:
         if extra:
             os.environ["PATH"] = path
+
+
+def _headers_key() -> str:
+    """A digest of the headers: torch rebuilds an extension when its sources or flags change, not its headers."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
 
 
 @functools.cache
 def _ops() -> Any | None:
     """torch.ops.mhmoe_cpu after building / loading the extension once per process; None where it can't (one
     warning), and quietly where the sources are absent (the exported model code carries this module, not the C++)."""
-    if not all(p.is_file() for p in SOURCES):
+    if not all(p.is_file() for p in SOURCES + HEADERS):
         return None
     try:
         build()

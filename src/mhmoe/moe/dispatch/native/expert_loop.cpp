@@ -15,6 +15,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "vec_io.h"
 #if defined(__AVX512BW__)
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
@@ -31,22 +33,8 @@ namespace {
 
 using at::Tensor;
 using fVec = at::vec::Vectorized<float>;
-
-// Two float vectors from / to 2 * fVec::size() elements of T.
-inline void load2(const float* p, fVec& a, fVec& b) {
-  a = fVec::loadu(p);
-  b = fVec::loadu(p + fVec::size());
-}
-inline void load2(const at::BFloat16* p, fVec& a, fVec& b) {
-  std::tie(a, b) = at::vec::convert_to_float<at::BFloat16>(at::vec::Vectorized<at::BFloat16>::loadu(p));
-}
-inline void store2(float* p, const fVec& a, const fVec& b) {
-  a.store(p);
-  b.store(p + fVec::size());
-}
-inline void store2(at::BFloat16* p, const fVec& a, const fVec& b) {
-  at::vec::convert_from_float<at::BFloat16>(a, b).store(p);
-}
+using mhmoe_native::load2;
+using mhmoe_native::store2;
 
 // Rounding to T between the element-wise ops where the Python loop stores an intermediate tensor of dtype T
 // (bf16: silu(h1), silu(h1) * h3, da * h3), so that both loops compute the same numbers.

@@ -12,6 +12,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_io.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -21,22 +23,9 @@ namespace {
 
 using at::Tensor;
 using fVec = at::vec::Vectorized<float>;
+using mhmoe_native::load2;
+using mhmoe_native::store2;
 constexpr int64_t kIgnore = -100;  // target of a row without a loss (mhmoe.model.lm_loss.IGNORE)
-
-inline void load2(const float* p, fVec& a, fVec& b) {
-  a = fVec::loadu(p);
-  b = fVec::loadu(p + fVec::size());
-}
-inline void load2(const at::BFloat16* p, fVec& a, fVec& b) {
-  std::tie(a, b) = at::vec::convert_to_float<at::BFloat16>(at::vec::Vectorized<at::BFloat16>::loadu(p));
-}
-inline void store2(float* p, const fVec& a, const fVec& b) {
-  a.store(p);
-  b.store(p + fVec::size());
-}
-inline void store2(at::BFloat16* p, const fVec& a, const fVec& b) {
-  at::vec::convert_from_float<at::BFloat16>(a, b).store(p);
-}
 
 // One row x [V]: returns its loss logsumexp(x) - x[t] (0 when t is kIgnore) and, with grad, writes
 // softmax(x) - onehot(t) over x (zeros when t is kIgnore). e: an fp32 scratch row of V.
