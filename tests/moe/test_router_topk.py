@@ -16,8 +16,8 @@ def _reference(scores, k):
 
 
 @needs_ext
-@pytest.mark.parametrize("S, E, k", [(1, 2, 1), (7, 8, 2), (300, 96, 3), (64, 17, 16), (129, 33, 4), (50, 64, 6),
-                                     (40, 5, 4), (3000, 24, 2)])  # the last one: rows split over threads
+@pytest.mark.parametrize("S, E, k", [(1, 2, 1), (7, 8, 2), (300, 96, 3), (64, 17, 8), (20, 12, 7), (129, 33, 4),
+                                     (50, 64, 6), (40, 5, 4), (3000, 24, 2)])  # the last one: rows split over threads
 def test_random_scores_equal_torch_topk(S, E, k):
     gen = torch.Generator().manual_seed(S * E + k)
     scores = torch.randn(S, E, generator=gen).softmax(-1)
@@ -56,11 +56,16 @@ def _degenerate_rows(E):
     r[[2, 6]] = torch.tensor([0.0, -0.0])  # +0 and -0 compare equal
     r[E - 1] = 1.0
     rows.append(r)
+    r = torch.full((E,), float("-inf"))
+    r[E // 2] = -3.0  # one finite score: the rest of the k best are -inf ties
+    rows.append(r)
+    r = -torch.rand(E) - 1.0  # all negative: the -inf that fills the lanes must not win
+    rows.append(r)
     return torch.stack(rows)
 
 
 @needs_ext
-@pytest.mark.parametrize("E, k", [(8, 1), (8, 2), (40, 2), (40, 3), (96, 3)])
+@pytest.mark.parametrize("E, k", [(8, 1), (8, 2), (40, 2), (40, 3), (96, 3), (9, 8), (17, 5), (33, 8)])
 def test_ties_and_nans_are_torch_topks_own(E, k):
     """Rows whose result depends on how torch.topk breaks ties are flagged and left to torch.topk: the same
     experts with or without the extension (torch.topk does not pick the lowest ids on an all-zero row)."""
@@ -70,16 +75,18 @@ def test_ties_and_nans_are_torch_topks_own(E, k):
     assert tied[[0, 1, 4, 5, 6, 7]].all()  # the constant rows and the NaN rows are flagged
     assert not tied[[2, 3]].any()  # distinct scores in order are not
     assert not tied[-5:].any()  # random rows are not
+    assert tied[-7] or k == 1  # -inf ties among the k + 1 best
+    assert not tied[-6]  # distinct negative scores
 
 
 def test_other_inputs_run_torch_topk(monkeypatch):
-    """bf16 scores, k >= E, k > 16, MHMOE_NATIVE=0: torch.topk, without touching the extension."""
+    """bf16 scores, k >= E, k > native.MAX_TOPK, MHMOE_NATIVE=0: torch.topk, without touching the extension."""
     def no_extension():
         raise AssertionError("the C++ op must not be used here")
 
     monkeypatch.setattr(native, "_ops", no_extension)
     scores = torch.rand(10, 20)
-    for s, k in [(scores.bfloat16(), 2), (scores, 20), (torch.rand(4, 40), 17)]:
+    for s, k in [(scores.bfloat16(), 2), (scores, 20), (torch.rand(4, 40), native.MAX_TOPK + 1)]:
         assert torch.equal(native.topk_indices(s, k), _reference(s, k))
     monkeypatch.setenv("MHMOE_NATIVE", "0")
     assert torch.equal(native.topk_indices(scores, 3), _reference(scores, 3))
@@ -87,7 +94,7 @@ def test_other_inputs_run_torch_topk(monkeypatch):
 
 @needs_ext
 def test_op_refuses_bad_arguments():
-    for scores, k in [(torch.rand(4, 8), 8), (torch.rand(4, 8), 0), (torch.rand(4, 40), 17),
+    for scores, k in [(torch.rand(4, 8), 8), (torch.rand(4, 8), 0), (torch.rand(4, 40), native.MAX_TOPK + 1),
                       (torch.rand(4, 8).double(), 2), (torch.rand(8, 4).t(), 2)]:
         with pytest.raises(RuntimeError, match="topk_rows"):
             torch.ops.mhmoe_cpu.topk_rows(scores, k)

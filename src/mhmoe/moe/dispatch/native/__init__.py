@@ -68,7 +68,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # micro-kernel (small_gemm), on the ISAs where that was measured faster than at::mm
 SMALL_GEMM_WEIGHTS = 32768
 SMALL_GEMM_ISAS = ("avx512_bf16",)
-MAX_TOPK = 16  # topk_rows keeps the k + 1 best scores of a row in a fixed-size array
+MAX_TOPK = 8  # topk_rows keeps the k + 1 best scores of every vector lane; larger k: torch.topk
 log = logging.getLogger(__name__)
 
 
@@ -168,7 +168,7 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     """``torch.topk(scores, k, dim=-1).indices`` (best first), from the C++ op on a CPU. scores: [S, E] -> [S, k]
     int64. The op flags rows with equal scores among the k + 1 largest or a NaN; those rows are ``torch.topk``'s
     own (it decides ties by its algorithm), so the result is the same with the extension or without. ``torch.topk``
-    itself: off a CPU, for other dtypes or k (1 <= k < E, k <= 16), under ``torch.compile`` or a dispatch mode,
+    itself: off a CPU, for other dtypes or k (1 <= k < E, k <= MAX_TOPK), under ``torch.compile`` or a dispatch mode,
     with ``MHMOE_NATIVE=0`` or where the extension cannot be built."""
     ops = None
     if (not torch.compiler.is_compiling()  # first: dynamo does not trace enabled()'s ContextVar (a graph break)
