@@ -1,8 +1,8 @@
 // The router's top-k on a CPU: the k largest scores of every row, best first, in one vectorised pass over the
 // row (ATen's CPU topk copies each row into (value, index) pairs and runs nth_element + sort on them: ~0.9 us
-// per row of 96 experts, ~0.11 us here). Rows where equal scores or a NaN make torch.topk's choice or order depend on its
-// algorithm are flagged, and the caller lets torch.topk decide those rows (mhmoe.moe.dispatch.native), so the
-// result is torch.topk's on every row. Registered as torch.ops.mhmoe_cpu.topk_rows.
+// per row of 96 experts, ~0.11 us here). Rows where equal scores or a NaN make torch.topk's choice or order
+// depend on its algorithm are flagged, and the caller lets torch.topk decide those rows
+// (mhmoe.moe.dispatch.native), so the result is torch.topk's on every row. Registered as torch.ops.mhmoe_cpu.topk_rows.
 //
 // Shape legend: S rows (routed sub-tokens), E scores per row (experts), K kept per row.
 
@@ -65,7 +65,8 @@ bool top_of_row(const float* row, int64_t E, int64_t* ids) {
   // merge: KEEP times take the largest head of the lanes' lists (the lowest such lane) and shift that list up
   float v[KEEP], heads[W];
   for (int64_t r = 0; r < KEEP; ++r) {
-    const float best = at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, t[0]);
+    const float best = at::vec::vec_reduce_all<float>(
+        [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, t[0]);
     const int l = __builtin_ctz(~(t[0] == fVec(best)).zero_mask());
     v[r] = best;
     if (r + 1 < KEEP) {
