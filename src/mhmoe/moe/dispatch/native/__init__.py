@@ -56,7 +56,8 @@ from mhmoe.runtime.cpu import cpu_isa
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h")]  # included by the sources; their hash is part of the build's key
+# included by the sources; their hash is part of the build's key
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
