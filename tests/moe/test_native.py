@@ -187,17 +187,30 @@ def test_turned_off_and_unavailable(monkeypatch, caplog):
     monkeypatch.delenv("MHMOE_NATIVE")
 
     def broken(verbose=False):
-        raise RuntimeError("Error building extension 'mhmoe_expert_loop'\nlong compiler output")
+        raise RuntimeError("Error building extension 'mhmoe_native'\nlong compiler output")
 
     monkeypatch.setattr(native, "build", broken)
     native._ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="mhmoe.moe.dispatch.native"):
             assert native.expert_ops(torch.float32) is None
-        assert "not available (Error building extension 'mhmoe_expert_loop')" in caplog.text
+        assert "not available (Error building extension 'mhmoe_native')" in caplog.text
         torch.testing.assert_close(fused_moe(x, route, experts), loop_moe(x, route, experts), rtol=1e-5, atol=1e-6)
     finally:
         native._ops.cache_clear()
+
+
+def test_build_key_follows_sources_and_headers(monkeypatch, tmp_path):
+    """The extension's name carries a digest of every source and header: a changed header builds anew (torch
+    itself tracks the sources only), and another checkout's version keeps its own build."""
+    header = tmp_path / "h.h"
+    header.write_text("// one")
+    monkeypatch.setattr(native, "HEADERS", [header])
+    key = native._source_key()
+    header.write_text("// two")
+    assert native._source_key() != key
+    header.write_text("// one")
+    assert native._source_key() == key
 
 
 def test_without_sources_quietly_unavailable(monkeypatch, caplog, tmp_path):
