@@ -48,7 +48,7 @@ class RouterOutput:
 
 
 def _top_k(scores: Tensor, k: int) -> Tensor:
-    """[S, k] int64 ids of the k largest scores per row, best first: ``torch.topk``'s, from a one-pass C++ kernel
+    """[S, k] int64 ids of the k largest scores per row, best first: ``torch.topk``'s, from a vectorised C++ kernel
     on a CPU (:func:`mhmoe.moe.dispatch.native.topk_indices`)."""
     try:
         from mhmoe.moe.dispatch.native import topk_indices
