@@ -351,3 +351,25 @@ def test_small_gemm_benchmark_smoke(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["layer"] == "tiny-mh3" and row["d_in"] == 64 and row["ms_aten"] > 0 and row["ms_brgemm"] > 0
     assert row["tensors"] == 10 and row["tensors_equal"] >= 2  # the output and the input gradient at least
+
+
+def test_native_ops_benchmark_smoke(tmp_path, capsys):
+    import importlib.util
+
+    from mhmoe.moe.dispatch import native
+
+    if native.expert_ops(torch.float32) is None:
+        pytest.skip("C++ ops not built here")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "native_ops.py"
+    spec = importlib.util.spec_from_file_location("native_ops", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "ops.json"
+    assert bench.main(["--repeats", "1", "--rows", "64", "--scale", "0.02", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["experts"], r["k"]) for r in res["topk"]] == bench.TOPK_CASES
+    assert all(r["ns_per_row_cpp"] > 0 and r["ns_per_row_torch"] > 0 for r in res["topk"])
+    loops = res["expert_loop"]
+    assert {(r["shape"], r["dtype"]) for r in loops} == {(s, d) for s in bench.EXPERT_CASES
+                                                         for d in ("float32", "bfloat16")}
+    assert all(r["ms_forward"] > 0 and r["ns_per_element_swiglu_backward"] > 0 for r in loops)

@@ -92,9 +92,9 @@ int64_t swiglu_backward_vec(const T* h1, const T* h3, T* da_dh1, T* a, T* dh3, i
 #if defined(__AVX512BW__)
 // bf16 has 65,536 values: silu(x) (rounded to bf16) and s of every one, computed once by silu_parts (the
 // same instructions as the loops above), are looked up instead of computed: bit-identical, and the passes
-// take 0.49 / 0.90 ns per element instead of 0.81 / 1.36 (one thread, AMD EPYC; the exp and the divisions
-// cost more than two 64-bit gathers). 512 KiB, of which the few thousand values that pre-activations take
-// are read.
+// take ~0.5 / 1.0-1.2 ns per element in the expert loop instead of 0.85 / 1.49 (one thread, AMD EPYC; the exp
+// and the divisions cost more than two 64-bit gathers; benchmarks/native_ops.py). 512 KiB, of which the few
+// thousand values that pre-activations take are read.
 class SiluTable {
  public:
   static const SiluTable& get() {

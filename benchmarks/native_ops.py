@@ -1,0 +1,116 @@
+"""Op-level timings of the C++ CPU ops (:mod:`mhmoe.moe.dispatch.native`), one thread by default.
+
+- **router top-k**: ``torch.ops.mhmoe_cpu.topk_rows`` against ``torch.topk`` on 12,288 softmax rows, ns per row,
+  round-robin, for (experts, k) pairs;
+- **expert loop**: ``expert_forward`` / ``expert_backward`` at the expert shapes of the tiny h=3 preset (93 experts
+  of 64 x 128, 396 rows each) and the d=768 h=3 layer (96 of 256 x 512, 192 rows), SwiGLU, float32 and
+  bfloat16: ms per call and GFLOP/s of their GEMMs, and the fused SwiGLU passes alone (the ops label them for the
+  profiler: ``mhmoe::swiglu_forward`` / ``mhmoe::swiglu_backward``) in ns per hidden element -- in bf16 a table
+  lookup on AVX-512 builds, in fp32 exp and divisions.
+
+::
+
+    python benchmarks/native_ops.py --json benchmarks/results/native_ops_avx512bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mhmoe.moe.dispatch import native
+from mhmoe.research.bench import machine_info, time_fns
+
+TOPK_CASES = [(8, 1), (16, 2), (64, 2), (64, 6), (96, 3), (256, 8)]
+EXPERT_CASES = {"tiny-mh3": (93, 64, 128, 396), "d768-mh3": (96, 256, 512, 192)}  # E, D, F, rows per expert
+LABELS = ("mhmoe::swiglu_forward", "mhmoe::swiglu_backward")
+
+
+def topk_rows(rows: int, repeats: int) -> list[dict]:
+    ops, out = native._ops(), []
+    gen = torch.Generator().manual_seed(0)
+    for E, k in TOPK_CASES:
+        scores = torch.randn(rows, E, generator=gen).softmax(-1)
+        ms, _ = time_fns({"cpp": lambda s=scores, k=k: ops.topk_rows(s, k),
+                          "torch": lambda s=scores, k=k: torch.topk(s, k)}, torch.device("cpu"), repeats)
+        out.append({"experts": E, "k": k, "rows": rows, "ns_per_row_cpp": ms["cpp"] * 1e6 / rows,
+                    "ns_per_row_torch": ms["torch"] * 1e6 / rows})
+    return out
+
+
+def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> dict:
+    E, D, F, C = EXPERT_CASES[name]
+    C = max(2, int(C * scale))
+    ops, R = native._ops(), E * C
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    xs, dy, w1, w3, w2 = rand(R, D), rand(R, D), rand(E, D, F, std=0.125), rand(E, D, F, std=0.125), rand(E, F, D)
+    h1, h3, ys, dxs = (torch.empty(R, F, dtype=dtype), torch.empty(R, F, dtype=dtype),
+                       torch.empty(R, D, dtype=dtype), torch.empty(R, D, dtype=dtype))
+    starts, sizes = [e * C for e in range(E)], [C] * E
+    small = native.small_gemm(dtype, D, F)
+
+    def fwd() -> None:
+        ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, starts, sizes, 1, small)
+
+    def bwd() -> None:
+        ops.expert_backward(xs, h1, h3, dy, w1, w2, w3, dxs, starts, sizes, 1, small)
+
+    fwd()
+    ms, _ = time_fns({"forward": fwd, "backward": bwd}, torch.device("cpu"), repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fwd()
+            bwd()
+    passes = {label: 0.0 for label in LABELS}
+    for ev in prof.events():
+        if ev.name in passes:
+            passes[ev.name] += ev.cpu_time_total / repeats  # us per call of the op
+    flops = 2 * R * D * F * 3
+    return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "d_in": D, "d_hidden": F,
+            "rows": R, "small_gemm": small, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
+            "gflops_forward": flops / ms["forward"] / 1e6, "gflops_backward": 2 * flops / ms["backward"] / 1e6,
+            "ns_per_element_swiglu_forward": passes[LABELS[0]] * 1e3 / (R * F),
+            "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the expert ops run one lane)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed round-robin repeats")
+    ap.add_argument("--rows", type=int, default=12288, help="top-k rows")
+    ap.add_argument("--scale", type=float, default=1.0, help="rows per expert x this (smaller: a quick run)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if native._ops() is None:
+        print("the C++ ops are not available here", file=sys.stderr)
+        return 2
+    topk = topk_rows(args.rows, args.repeats)
+    loops = [expert_loop(n, dt, args.repeats, args.scale) for n in EXPERT_CASES
+             for dt in (torch.float32, torch.bfloat16)]
+    print("| experts | k | C++ ns/row | torch.topk ns/row |\n|---|---|---|---|")
+    for r in topk:
+        print(f"| {r['experts']} | {r['k']} | {r['ns_per_row_cpp']:.0f} | {r['ns_per_row_torch']:.0f} |")
+    print("\n| shape | dtype | forward ms | GFLOP/s | backward ms | GFLOP/s | SwiGLU fwd ns/elem | bwd ns/elem |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in loops:
+        print(f"| {r['shape']} | {r['dtype']} | {r['ms_forward']:.2f} | {r['gflops_forward']:.0f} | "
+              f"{r['ms_backward']:.2f} | {r['gflops_backward']:.0f} | {r['ns_per_element_swiglu_forward']:.2f} | "
+              f"{r['ns_per_element_swiglu_backward']:.2f} |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
