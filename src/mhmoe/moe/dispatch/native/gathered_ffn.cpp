@@ -12,6 +12,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "vec_io.h"
+
 #include <cmath>
 #include <vector>
 
@@ -19,9 +21,7 @@ namespace {
 
 using at::Tensor;
 using fVec = at::vec::Vectorized<float>;
-
-template <typename T>
-inline float round_to(float v) { return float(T(v)); }
+using mhmoe_native::round_to;
 
 // acc[0:n] += a * row[0:n] (row of T, accumulated in fp32)
 template <typename T>

@@ -28,8 +28,6 @@ template <>
 inline void round2<at::BFloat16>(fVec& a, fVec& b) {
   std::tie(a, b) = at::vec::convert_to_float<at::BFloat16>(at::vec::convert_from_float<at::BFloat16>(a, b));
 }
-template <typename T>
-inline float round1(float x) { return float(T(x)); }
 
 // The formulas of ATen's silu and silu_backward kernels: silu(x) = x / (1 + exp(-x)),
 // silu'(x) dy = dy * s * (1 + x * (1 - s)) with s = 1 / (1 + exp(-x)). act = silu(g), sig = s.
@@ -176,7 +174,7 @@ template <typename T>
 void swiglu_forward(const T* h1, const T* h3, T* a, int64_t n) {
   for (int64_t i = swiglu_forward_vec(h1, h3, a, n); i < n; ++i) {
     float g = float(h1[i]);
-    a[i] = T(round1<T>(g / (1.f + std::exp(-g))) * float(h3[i]));
+    a[i] = T(round_to<T>(g / (1.f + std::exp(-g))) * float(h3[i]));
   }
 }
 
@@ -186,7 +184,7 @@ template <typename T>
 void swiglu_backward(const T* h1, const T* h3, T* da_dh1, T* a, T* dh3, int64_t n) {
   for (int64_t i = swiglu_backward_vec(h1, h3, da_dh1, a, dh3, n); i < n; ++i) {
     float g = float(h1[i]), u = float(h3[i]), d = float(da_dh1[i]);
-    float e = 1.f + std::exp(-g), act = round1<T>(g / e), s = 1.f / e, t = round1<T>(d * u);
+    float e = 1.f + std::exp(-g), act = round_to<T>(g / e), s = 1.f / e, t = round_to<T>(d * u);
     dh3[i] = T(d * act);
     a[i] = T(act * u);
     da_dh1[i] = T(t * s * (1.f + g * (1.f - s)));

@@ -1,4 +1,4 @@
-// Vector loads and stores shared by the C++ ops of mhmoe.moe.dispatch.native: two float vectors from / to
+// Vector loads and stores (and a scalar rounding) shared by the C++ ops of mhmoe.moe.dispatch.native: two float vectors from / to
 // 2 * fVec::size() consecutive elements of float or bfloat16 (bf16 converted to and from fp32).
 #pragma once
 
@@ -25,5 +25,9 @@ inline void store2(float* p, const fVec& a, const fVec& b) {
 inline void store2(at::BFloat16* p, const fVec& a, const fVec& b) {
   at::vec::convert_from_float<at::BFloat16>(a, b).store(p);
 }
+
+// v rounded to T's precision (where the Python code stores an intermediate tensor of dtype T), as a float
+template <typename T>
+inline float round_to(float v) { return float(T(v)); }
 
 }  // namespace mhmoe_native
