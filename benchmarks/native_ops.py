@@ -6,7 +6,12 @@
   of 64 x 128, 396 rows each) and the d=768 h=3 layer (96 of 256 x 512, 192 rows), SwiGLU, float32 and
   bfloat16: ms per call and GFLOP/s of their GEMMs, and the fused SwiGLU passes alone (the ops label them for the
   profiler: ``mhmoe::swiglu_forward`` / ``mhmoe::swiglu_backward``) in ns per hidden element -- in bf16 a table
-  lookup on AVX-512 builds, in fp32 exp and divisions.
+  lookup on AVX-512 builds, in fp32 exp and divisions;
+- **GEMM locality**: ATen's GEMM (``torch.mm``, oneDNN / MKL) at the same expert shapes, the up-projection
+  [rows, D] x [D, F] of every expert, GFLOP/s three ways, round-robin: each expert with its own weight and rows
+  (what the expert loop sees: E weights that do not stay in cache), every expert reusing one weight and one
+  block of rows (the same calls on cache-hot operands), and the same FLOPs as one [E * rows, D] x [D, F] GEMM
+  (a dense layer's shape). The gap between the first two is what the operands' locality costs per call.
 
 ::
 
@@ -24,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mhmoe.moe.dispatch import native
 from mhmoe.research.bench import machine_info, time_fns
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 TOPK_CASES = [(8, 1), (16, 2), (64, 2), (64, 6), (96, 3), (256, 8)]
 EXPERT_CASES = {"tiny-mh3": (93, 64, 128, 396), "d768-mh3": (96, 256, 512, 192)}  # E, D, F, rows per expert
@@ -81,6 +87,29 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
             "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F)}
 
 
+def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> dict:
+    E, D, F, C = EXPERT_CASES[name]
+    C = max(2, int(C * scale))
+    gen = torch.Generator().manual_seed(0)
+    xs, w = torch.randn(E, C, D, generator=gen).to(dtype), torch.randn(E, D, F, generator=gen).to(dtype)
+    out = torch.empty(E, C, F, dtype=dtype)
+    flat_x, flat_out = xs.view(E * C, D), out.view(E * C, F)
+
+    def each_own() -> None:
+        for e in range(E):
+            torch.mm(xs[e], w[e], out=out[e])
+
+    def all_one() -> None:
+        for e in range(E):
+            torch.mm(xs[0], w[0], out=out[e])
+
+    ms, _ = time_fns({"distinct": each_own, "shared": all_one,
+                      "one_gemm": lambda: torch.mm(flat_x, w[0], out=flat_out)}, torch.device("cpu"), repeats)
+    flops = 2 * E * C * D * F
+    return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "rows_per_expert": C,
+            "d_in": D, "d_hidden": F, **{f"gflops_{k}": flops / v / 1e6 for k, v in ms.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the expert ops run one lane)")
@@ -90,11 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    malloc_from_env()  # MHMOE_MALLOC=tuned, as the mhmoe command
     if native._ops() is None:
         print("the C++ ops are not available here", file=sys.stderr)
         return 2
     topk = topk_rows(args.rows, args.repeats)
     loops = [expert_loop(n, dt, args.repeats, args.scale) for n in EXPERT_CASES
+             for dt in (torch.float32, torch.bfloat16)]
+    gemms = [gemm_locality(n, dt, args.repeats, args.scale) for n in EXPERT_CASES
              for dt in (torch.float32, torch.bfloat16)]
     print("| experts | k | C++ ns/row | torch.topk ns/row |\n|---|---|---|---|")
     for r in topk:
@@ -105,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['shape']} | {r['dtype']} | {r['ms_forward']:.2f} | {r['gflops_forward']:.0f} | "
               f"{r['ms_backward']:.2f} | {r['gflops_backward']:.0f} | {r['ns_per_element_swiglu_forward']:.2f} | "
               f"{r['ns_per_element_swiglu_backward']:.2f} |")
+    print("\n| shape | dtype | GEMM GFLOP/s, own weights | one weight reused | one large GEMM |\n|---|---|---|---|---|")
+    for r in gemms:
+        print(f"| {r['shape']} | {r['dtype']} | {r['gflops_distinct']:.0f} | {r['gflops_shared']:.0f} | "
+              f"{r['gflops_one_gemm']:.0f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops}, f,
-                      indent=1)
+            json.dump({"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
+                       "gemm_locality": gemms}, f, indent=1)
     return 0
 
 

@@ -156,6 +156,16 @@ def test_slow_blocks_run(path, tmp_path, docs_cache):
     _run_doc(path, {"run", "slow"}, tmp_path, docs_cache)
 
 
+def test_tuned_malloc_commands_apply_it():
+    """`MHMOE_MALLOC=tuned python benchmarks/X.py` in a doc: X.py applies the setting (a script that never calls
+    ``malloc_from_env`` ignores the variable, and its numbers would silently be the default allocator's)."""
+    scripts = {m for path in DOCS for m in re.findall(r"MHMOE_MALLOC=tuned python (benchmarks/\S+\.py)",
+                                                      path.read_text(encoding="utf-8"))}
+    assert scripts, "no tuned-allocator benchmark commands found in the docs"
+    bad = [s for s in sorted(scripts) if "malloc_from_env()" not in (ROOT / s).read_text(encoding="utf-8")]
+    assert not bad, f"documented with MHMOE_MALLOC=tuned but never call malloc_from_env(): {bad}"
+
+
 # ---- convention 2: numbers ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", [_param(p, convention=True) for p in DOCS])
 def test_tables_of_numbers_name_their_source(path):

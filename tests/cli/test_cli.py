@@ -373,3 +373,6 @@ def test_native_ops_benchmark_smoke(tmp_path, capsys):
     assert {(r["shape"], r["dtype"]) for r in loops} == {(s, d) for s in bench.EXPERT_CASES
                                                          for d in ("float32", "bfloat16")}
     assert all(r["ms_forward"] > 0 and r["ns_per_element_swiglu_backward"] > 0 for r in loops)
+    gemms = res["gemm_locality"]
+    assert {(r["shape"], r["dtype"]) for r in gemms} == {(r["shape"], r["dtype"]) for r in loops}
+    assert all(r[f"gflops_{k}"] > 0 for r in gemms for k in ("distinct", "shared", "one_gemm"))
