@@ -14,7 +14,7 @@ def test_bench_moe_json_schema(tmp_path, capsys):
     assert main(["bench", "moe", "--configs", "smoe", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
                  "--peers", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert {"cpu", "threads", "torch", "device", "isa"} <= set(data["machine"])
+    assert {"cpu", "threads", "torch", "device", "isa", "malloc"} <= set(data["machine"])
     assert data["machine"]["isa"] in ("AMX", "AVX-512 BF16", "AVX-512", "AVX2", "other")
     assert len(data["machine"]["loadavg_before"]) == len(data["machine"]["loadavg_after"]) == 3
     assert {(r["config"], r["dtype"], r["pass"]) for r in data["rows"]} == {

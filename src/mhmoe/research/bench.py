@@ -124,6 +124,10 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     from mhmoe.runtime.cpu import ISA_NAMES, cpu_isa
 
     info["isa"] = ISA_NAMES[cpu_isa()]  # the CPU's matrix ISA (AMX, AVX-512 BF16, AVX-512, AVX2): the CPU table's key
+    from mhmoe.runtime.cpu_malloc import ENV as MALLOC_ENV
+
+    # the allocator setting as given (the mhmoe command and the benchmark scripts apply MHMOE_MALLOC=tuned at start)
+    info["malloc"] = os.environ.get(MALLOC_ENV) or "default"
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
