@@ -52,8 +52,8 @@ def _script(name: str, *args: str) -> tuple[str, ...]:
     return (f"benchmarks/{name}.py", *args)
 
 
-def _throughput(family: str, tag: str, dtype: str) -> Step:
-    out = f"{RESULTS}/train_throughput_{family}_{tag}_{dtype}.json"
+def _throughput(family: str, tag: str, dtype: str, results: str) -> Step:
+    out = f"{results}/train_throughput_{family}_{tag}_{dtype}.json"
     if family == "tiny":
         shape = ("--steps", "20")
     else:  # d=768, 2 x 1,024 tokens; fp32 steps take twice as long
@@ -64,37 +64,40 @@ def _throughput(family: str, tag: str, dtype: str) -> Step:
     return Step(f"{family}_{dtype}", argv, (out,))
 
 
-def steps_for(isa: str) -> list[Step]:
-    """The suite for a CPU of this ISA (:func:`mhmoe.runtime.cpu.cpu_isa`), in running order."""
+def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
+    """The suite for a CPU of this ISA (:func:`mhmoe.runtime.cpu.cpu_isa`), in running order, its JSON files in
+    ``results`` (the checkout's benchmarks/results, where the docs cite them, or any other folder; the step that
+    rebuilds ``auto``'s table runs only with the checkout's, which it reads)."""
     tag = TAGS[isa]
     dtypes = ["float32", "bfloat16"] if isa in NATIVE_BF16 else ["float32"]
 
     def bench(suffix: str) -> Step:
-        out = f"{RESULTS}/moe_cpu_{tag}_2core{suffix}.json"
+        out = f"{results}/moe_cpu_{tag}_2core{suffix}.json"
         argv = ("-m", "mhmoe", "bench", "moe", "--dtypes", *dtypes, "--tokens", "2048", "--repeats", "5",
                 "--no-loop", "--peers", "st_moe", "--json", out)
         return Step("bench" + suffix, argv, (out,))
 
-    profile = f"{RESULTS}/moe_profile_{tag}.json"
-    native = f"{RESULTS}/native_ops_{tag}.json"
-    dispatch = f"{RESULTS}/cpu_dispatch_{tag}_2t_tuned.json"
-    dispatch_tiny = f"{RESULTS}/cpu_dispatch_{tag}_tiny_2t_tuned.json"
+    profile = f"{results}/moe_profile_{tag}.json"
+    native = f"{results}/native_ops_{tag}.json"
+    dispatch = f"{results}/cpu_dispatch_{tag}_2t_tuned.json"
+    dispatch_tiny = f"{results}/cpu_dispatch_{tag}_tiny_2t_tuned.json"
     out: list[Step] = [
         bench(""),
         Step("profile", _script("moe_profile", "--dtypes", *dtypes, "--json", profile), (profile,)),
         Step("native_ops", _script("native_ops", "--json", native), (native,)),
-        *[_throughput("tiny", tag, dt) for dt in reversed(dtypes)],
+        *[_throughput("tiny", tag, dt, results) for dt in reversed(dtypes)],
         bench("_run2"),
-        *[_throughput("paper", tag, dt) for dt in reversed(dtypes)],
+        *[_throughput("paper", tag, dt, results) for dt in reversed(dtypes)],
         Step("dispatch", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--json",
                                  dispatch), (dispatch,)),
         Step("dispatch_tiny", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",
                                       "tiny-smoe", "tiny-fgmoe", "tiny-mh2", "tiny-mh3", "--json", dispatch_tiny),
              (dispatch_tiny,)),
-        Step("table", _script("cpu_dispatch", "--table"), ()),
     ]
+    if results == RESULTS:
+        out.append(Step("table", _script("cpu_dispatch", "--table"), ()))
     if isa == "avx512_bf16":
-        layers, models = f"{RESULTS}/small_gemm_{tag}_2t.json", f"{RESULTS}/small_gemm_models_{tag}_2t.json"
+        layers, models = f"{results}/small_gemm_{tag}_2t.json", f"{results}/small_gemm_models_{tag}_2t.json"
         out += [Step("small_gemm", _script("small_gemm", "--threads", "2", "--json", layers), (layers,)),
                 Step("small_gemm_models", _script("small_gemm", "--threads", "2", "--presets", "tiny-mh2", "tiny-mh3",
                                                   "--rounds", "10", "--json", models), (models,))]
@@ -131,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--isa", choices=sorted(TAGS), help="plan for this ISA instead of this CPU's (with --dry-run)")
     ap.add_argument("--steps", nargs="+", metavar="STEP", help="run only these steps (default: all, in order)")
+    ap.add_argument("--out", default=RESULTS, metavar="DIR",
+                    help="folder for the JSON files (relative: to the checkout); another than the default leaves the "
+                         "checkout's results and auto's table as they are")
     ap.add_argument("--skip-existing", action="store_true", help="skip a step whose JSON files all exist")
     ap.add_argument("--dry-run", action="store_true", help="print the commands; run nothing")
     args = ap.parse_args(argv)
@@ -138,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.isa and not args.dry_run and args.isa != cpu_isa():
         print(f"cpu_suite: error: --isa {args.isa} on a {cpu_isa()} CPU: only with --dry-run", file=sys.stderr)
         return 2
-    steps = steps_for(isa)
+    results = args.out.rstrip("/") or "/"
+    steps = steps_for(isa, results)
     if args.steps:
         unknown = sorted(set(args.steps) - {s.name for s in steps})
         if unknown:
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in steps:
             print(f"MHMOE_MALLOC=tuned python {' '.join(s.argv)}")
         return 0
+    (ROOT / results).mkdir(parents=True, exist_ok=True)
     return run(steps, args.skip_existing)
 
 
