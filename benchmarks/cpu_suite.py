@@ -1,14 +1,16 @@
-"""Every CPU measurement of docs/PERFORMANCE.md on this CPU, one command: JSON files in benchmarks/results/
-named by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the docs' tables cite them.
+"""Every CPU measurement of docs/PERFORMANCE.md on this CPU (but the thin-expert layers'), one command: JSON
+files in benchmarks/results/ named by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the
+docs' tables cite them.
 
     python benchmarks/cpu_suite.py --dry-run            # the commands for this CPU; nothing runs
-    python benchmarks/cpu_suite.py                      # all of them, in this order (about 1.5 h on 2 cores)
+    python benchmarks/cpu_suite.py                      # all of them, in this order (23 minutes on the 2-core EPYC)
     python benchmarks/cpu_suite.py --steps bench profile --skip-existing
 
 Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer against the aligned same-FLOPs
 dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goes, one thread), ``native_ops``
 (the C++ ops alone), ``tiny`` (whole tiny models, ``train_throughput.py``), ``bench_run2`` (the layer benchmark
-again: one run on a shared machine says little), ``paper`` (the paper-size models), ``dispatch`` and
+again: one run on a shared machine says little), ``paper`` (the paper-size models), ``generate`` (greedy decoding
+of the tiny presets, ``generate_throughput.py``), ``dispatch`` and
 ``dispatch_tiny`` (``cpu_dispatch.py --measure``: the candidates ``impl="auto"`` chooses from), ``table``
 (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table from every dispatch file, this CPU's included),
 ``small_gemm`` (the bf16 micro-kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used).
@@ -79,6 +81,7 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
 
     profile = f"{results}/moe_profile_{tag}.json"
     native = f"{results}/native_ops_{tag}.json"
+    generate = f"{results}/generate_throughput_tiny_{tag}.json"
     dispatch = f"{results}/cpu_dispatch_{tag}_2t_tuned.json"
     dispatch_tiny = f"{results}/cpu_dispatch_{tag}_tiny_2t_tuned.json"
     out: list[Step] = [
@@ -88,6 +91,8 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
         *[_throughput("tiny", tag, dt, results) for dt in reversed(dtypes)],
         bench("_run2"),
         *[_throughput("paper", tag, dt, results) for dt in reversed(dtypes)],
+        Step("generate", _script("generate_throughput", "--threads", "2", "--repeats", "11", "--new-tokens", "96",
+                                 "--json", generate), (generate,)),
         Step("dispatch", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--json",
                                  dispatch), (dispatch,)),
         Step("dispatch_tiny", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",

@@ -41,6 +41,7 @@ from mhmoe.config.presets import get_preset, preset_names
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.research.bench import bf16_peak_tflops
+from mhmoe.runtime.cpu_malloc import ENV as MALLOC_ENV
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.device import autocast_ctx
 from mhmoe.train.optim import build_optimizer
@@ -68,6 +69,7 @@ def machine_info(devices: list[str]) -> dict[str, Any]:
         "loadavg": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "malloc": os.environ.get(MALLOC_ENV) or "default",  # as given; main() applies MHMOE_MALLOC=tuned
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
