@@ -39,6 +39,8 @@ TAGS = {"amx": "amx", "avx512_bf16": "avx512bf16", "avx512": "avx512", "avx2": "
 NATIVE_BF16 = ("amx", "avx512_bf16")
 TINY = ["tiny-dense", "tiny-smoe", "tiny-fgmoe", "tiny-mh2", "tiny-mh3"]
 PAPER = ["paper-dense", "paper-smoe", "paper-fgmoe", "paper-mh2", "paper-mh3"]
+LAYERS = ["smoe", "fgmoe", "mh2", "mh3", "icml-h2", "icml-h4"]  # cpu_dispatch.py's d=768 layers: one file
+TINY_LAYERS = ["tiny-smoe", "tiny-fgmoe", "tiny-mh2", "tiny-mh3"]  # the tiny presets' layers: another
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,10 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
         *[_throughput("paper", tag, dt, results) for dt in reversed(dtypes)],
         Step("generate", _script("generate_throughput", "--threads", "2", "--repeats", "11", "--new-tokens", "96",
                                  "--json", generate), (generate,)),
-        Step("dispatch", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--json",
-                                 dispatch), (dispatch,)),
+        Step("dispatch", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",
+                                 *LAYERS, "--json", dispatch), (dispatch,)),
         Step("dispatch_tiny", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",
-                                      "tiny-smoe", "tiny-fgmoe", "tiny-mh2", "tiny-mh3", "--json", dispatch_tiny),
+                                      *TINY_LAYERS, "--json", dispatch_tiny),
              (dispatch_tiny,)),
     ]
     if results == RESULTS:

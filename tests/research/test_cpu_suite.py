@@ -62,6 +62,15 @@ def test_every_step_parses_and_names_its_results(isa, monkeypatch):
     assert ("small_gemm" in names) == (isa == "avx512_bf16")
 
 
+def test_dispatch_steps_time_every_layer_once():
+    """The two dispatch files together hold every layer cpu_dispatch.py knows, none twice (the table averages the
+    rows of all files of an ISA), the first as cpu_dispatch.py's default."""
+    dispatch = _load("cpu_dispatch")
+    assert suite.LAYERS == dispatch.default_layers()
+    assert list(suite.TINY_LAYERS) == list(dispatch.TINY_LAYERS)
+    assert sorted(suite.LAYERS + suite.TINY_LAYERS) == sorted(dispatch.layer_configs())
+
+
 def test_outputs_match_the_files_the_docs_cite():
     """This CPU family's files as PERFORMANCE.md cites them: the suite re-measures what the tables show."""
     docs = (ROOT / "docs" / "PERFORMANCE.md").read_text(encoding="utf-8")
