@@ -20,7 +20,8 @@ Every step is a process of its own with ``MHMOE_MALLOC=tuned`` and 2 threads (``
 and the C++ ops: one),
 run from this checkout's ``src``; its output streams to this terminal. A failed step is reported and the suite
 goes on; the exit status is 1 if any failed. ``--skip-existing`` skips a step whose JSON files all exist (a
-suite resumed after an interruption). On a shared machine, commit each JSON as it lands.
+suite resumed after an interruption). On a shared machine, commit each JSON as it lands. Then
+``python benchmarks/cpu_tables.py --tag TAG --write`` puts the tables into docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations

@@ -101,3 +101,23 @@ def test_skip_existing_runs_nothing(tmp_path, monkeypatch, capsys):
     (tmp_path / "benchmarks" / "results" / "x.json").write_text("{}")
     assert suite.run([step], skip_existing=True) == 0
     assert "skipped" in capsys.readouterr().out
+
+
+tables = _load("cpu_tables")
+
+
+def test_cpu_tables_reproduce_the_docs_tables():
+    """The generator gives the EPYC tables of PERFORMANCE.md character for character (so after a suite run on
+    another CPU, ``cpu_tables.py --write`` puts that CPU's numbers in the same form)."""
+    made = tables.tables("avx512bf16", ROOT / "benchmarks" / "results")
+    assert len(made) == 8  # bench, profile, three C++ op tables, tiny, paper, generation
+    doc = tables.DOC.read_text(encoding="utf-8")
+    text, missing = tables.write(doc, made)
+    assert not missing and text == doc
+
+
+def test_cpu_tables_place_only_under_their_source_line(tmp_path):
+    doc = "intro\n" + tables.marker(["a.json"]) + "\n| x |\n|---|\n| 1 |\n\ntext\n"
+    text, missing = tables.write(doc, [(["a.json"], "| x |\n|---|\n| 2 |"), (["b.json"], "| y |\n|---|\n| 3 |")])
+    assert text == doc.replace("| 1 |", "| 2 |") and missing == [tables.marker(["b.json"])]
+    assert tables.main(["--tag", "nonesuch", "--results", str(tmp_path)]) == 2
