@@ -8,19 +8,19 @@ docs' tables cite them.
 
 Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer against the aligned same-FLOPs
 dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goes, one thread), ``native_ops``
-(the C++ ops alone), ``tiny`` (whole tiny models, ``train_throughput.py``), ``bench_run2`` (the layer benchmark
-again: one run on a shared machine says little), ``paper`` (the paper-size models), ``generate`` (greedy decoding
-of the tiny presets, ``generate_throughput.py``), ``dispatch`` and
-``dispatch_tiny`` (``cpu_dispatch.py --measure``: the candidates ``impl="auto"`` chooses from), ``table``
-(``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table from every dispatch file, this CPU's included),
-``small_gemm`` (the bf16 micro-kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used).
-bf16 runs only where the CPU has native bf16 (AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
+(the C++ ops alone), ``tiny_bfloat16`` / ``tiny_float32`` (whole tiny models, ``train_throughput.py``),
+``bench_run2`` (the layer benchmark again: one run on a shared machine says little), ``paper_bfloat16`` /
+``paper_float32`` (the paper-size models), ``generate`` (greedy decoding of the tiny presets), ``dispatch`` and
+``dispatch_tiny`` (``cpu_dispatch.py --measure``, the d=768 layers and the tiny presets' in a file each: the
+candidates ``impl="auto"`` chooses from), ``table`` (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table
+from every dispatch file, this CPU's included), ``small_gemm`` / ``small_gemm_models`` (the bf16 micro-kernel
+against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU has native bf16
+(AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
 
 Every step is a process of its own with ``MHMOE_MALLOC=tuned`` and 2 threads (``OMP_NUM_THREADS=2``; the profile
-and the C++ ops: one),
-run from this checkout's ``src``; its output streams to this terminal. A failed step is reported and the suite
-goes on; the exit status is 1 if any failed. ``--skip-existing`` skips a step whose JSON files all exist (a
-suite resumed after an interruption). On a shared machine, commit each JSON as it lands. Then
+and the C++ ops: one), run from this checkout's ``src``; its output streams to this terminal. A failed step is
+reported and the suite goes on; the exit status is 1 if any failed. ``--skip-existing`` skips a step whose JSON
+files all exist (a suite resumed after an interruption). On a shared machine, commit each JSON as it lands. Then
 ``python benchmarks/cpu_tables.py --tag TAG --write`` puts the tables into docs/PERFORMANCE.md.
 """
 
