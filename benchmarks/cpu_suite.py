@@ -1,6 +1,5 @@
-"""Every CPU measurement of docs/PERFORMANCE.md on this CPU (but the thin-expert layers'), one command: JSON
-files in benchmarks/results/ named by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the
-docs' tables cite them.
+"""Every CPU measurement of docs/PERFORMANCE.md on this CPU, one command: JSON files in benchmarks/results/ named
+by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the docs' tables cite them.
 
     python benchmarks/cpu_suite.py --dry-run            # the commands for this CPU; nothing runs
     python benchmarks/cpu_suite.py                      # all of them, in this order (23 minutes on the 2-core EPYC)
@@ -10,7 +9,8 @@ Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer agai
 dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goes, one thread), ``native_ops``
 (the C++ ops alone), ``tiny_bfloat16`` / ``tiny_float32`` (whole tiny models, ``train_throughput.py``),
 ``bench_run2`` (the layer benchmark again: one run on a shared machine says little), ``paper_bfloat16`` /
-``paper_float32`` (the paper-size models), ``generate`` (greedy decoding of the tiny presets), ``dispatch`` and
+``paper_float32`` (the paper-size models), ``generate`` (greedy decoding of the tiny presets), ``thin`` (the
+parameter-parity layers' thin, wide experts on each path, ``thin_experts.py``), ``dispatch`` and
 ``dispatch_tiny`` (``cpu_dispatch.py --measure``, the d=768 layers and the tiny presets' in a file each: the
 candidates ``impl="auto"`` chooses from), ``table`` (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table
 from every dispatch file, this CPU's included), ``small_gemm`` / ``small_gemm_models`` (the bf16 micro-kernel
@@ -85,6 +85,7 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
     profile = f"{results}/moe_profile_{tag}.json"
     native = f"{results}/native_ops_{tag}.json"
     generate = f"{results}/generate_throughput_tiny_{tag}.json"
+    thin = f"{results}/thin_experts_{tag}_2core.json"
     dispatch = f"{results}/cpu_dispatch_{tag}_2t_tuned.json"
     dispatch_tiny = f"{results}/cpu_dispatch_{tag}_tiny_2t_tuned.json"
     out: list[Step] = [
@@ -96,6 +97,7 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
         *[_throughput("paper", tag, dt, results) for dt in reversed(dtypes)],
         Step("generate", _script("generate_throughput", "--threads", "2", "--repeats", "11", "--new-tokens", "96",
                                  "--json", generate), (generate,)),
+        Step("thin", _script("thin_experts", "--dtypes", *dtypes, "--json", thin), (thin,)),
         Step("dispatch", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",
                                  *LAYERS, "--json", dispatch), (dispatch,)),
         Step("dispatch_tiny", _script("cpu_dispatch", "--measure", "--threads", "2", "--dtypes", *dtypes, "--layers",

@@ -103,6 +103,15 @@ def generate(data: dict[str, Any]) -> str:
     return _table(["preset", "params", "batch", "prompt", "new tokens", "tokens/s", "ms/token", "vs dense"], rows)
 
 
+def thin(data: dict[str, Any]) -> str:
+    """``thin_experts.py``: the parameter-parity layers on each path, time and saved activations."""
+    rows = [[r["label"], str(r["d_in"]), str(r["d_hidden"]), r["dtype"], f"{r['ms_sorted']:.1f}",
+             f"{r['ms_fused']:.1f}", f"{r['ms_chunked']:.1f}", f"{r['saved_mb_fused']:.1f}",
+             f"{r['saved_mb_chunked']:.1f}"] for r in data["rows"]]
+    return _table(["layer", "d/h", "F", "dtype", "`sorted` ms", "`fused` ms", "`chunked` ms", "saved MiB `fused`",
+                   "saved MiB `chunked`"], rows)
+
+
 def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
     """(source files, markdown table) for every table whose files exist for ``tag``, in the docs' order."""
     def name(stem: str) -> str:
@@ -117,6 +126,7 @@ def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
         ([name("train_throughput_paper_{tag}_float32"), name("train_throughput_paper_{tag}_bfloat16")],
          lambda *f: throughput(list(f), params=True)),
         ([name("generate_throughput_tiny_{tag}")], generate),
+        ([name("thin_experts_{tag}_2core")], thin),
     ]
     out: list[tuple[list[str], str]] = []
     for files, render in kinds:

@@ -168,20 +168,37 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
+// work(e, lane) for every expert of every lane: lanes in parallel over the intra-op threads, the experts of a lane
+// in order on one thread.
 template <typename F>
-void run_lanes(const std::vector<int64_t>& sizes, int64_t threads, bool small, const F& work) {
-  auto lanes = lanes_of(sizes, threads);
+void run_lanes(const std::vector<std::vector<int64_t>>& lanes, bool small, const F& work) {
   if (lanes.size() == 1) {
-    for (int64_t e : lanes[0]) work(e);
+    for (int64_t e : lanes[0]) work(e, 0);
     release_small_gemm(small);
     return;
   }
   at::parallel_for(0, (int64_t)lanes.size(), 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;
     for (int64_t l = begin; l < end; ++l)
-      for (int64_t e : lanes[l]) work(e);
+      for (int64_t e : lanes[l]) work(e, l);
     release_small_gemm(small);
   });
+}
+
+// `count` scratch blocks [rows, F] per lane (rows: the lane's largest expert) for the per-expert [C, F] temporaries,
+// allocated here, in the calling thread. Allocated per expert inside the intra-op threads, the temporaries of thin,
+// wide experts (hundreds of MB each) came from glibc's per-thread arenas, which unmap such blocks when freed:
+// every call page-faulted them again, even with MHMOE_MALLOC=tuned (docs/PERFORMANCE.md, "Thin experts").
+std::vector<std::vector<Tensor>> lane_scratch(const std::vector<std::vector<int64_t>>& lanes,
+                                              const std::vector<int64_t>& sizes, int64_t count, int64_t F,
+                                              const at::TensorOptions& options) {
+  std::vector<std::vector<Tensor>> out(lanes.size());
+  for (size_t l = 0; l < lanes.size(); ++l) {
+    int64_t rows = 0;
+    for (int64_t e : lanes[l]) rows = std::max(rows, sizes[e]);
+    for (int64_t i = 0; i < count; ++i) out[l].push_back(at::empty({rows, F}, options));
+  }
+  return out;
 }
 
 // The shapes every op relies on (the fused passes index raw pointers): xs [R, D] contiguous, w1 (and w3) [E, D, F],
@@ -218,23 +235,28 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   if (keep) check_hidden(xs, w1, w3, *h1, h3);
   TORCH_CHECK(keep || !h3, "h3 is kept only with h1");
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
+  const auto lanes = lanes_of(sizes, threads);
+  // act (kept hidden buffers), or a1 and a3 (forward-only; act over a3)
+  auto scratch = lane_scratch(lanes, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(sizes, threads, small, [&](int64_t e) {
+    run_lanes(lanes, small, [&](int64_t e, int64_t lane) {
       const int64_t r0 = starts[e], C = sizes[e];
+      const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C);
-      Tensor a1 = keep ? h1->narrow(0, r0, C) : xs.new_empty({C, F});
+      Tensor a1 = keep ? h1->narrow(0, r0, C) : own[0].narrow(0, 0, C);
       matmul(a1, x, w1[e], false, small);
       Tensor act;
       if (glu) {
-        Tensor a3 = keep ? h3->narrow(0, r0, C) : xs.new_empty({C, F});
+        Tensor a3 = keep ? h3->narrow(0, r0, C) : own[1].narrow(0, 0, C);
         matmul(a3, x, (*w3)[e], false, small);
-        act = keep ? at::empty_like(a1) : a3;  // without buffers to keep, over h3 (read before written)
+        act = keep ? own[0].narrow(0, 0, C) : a3;  // without buffers to keep, over h3 (read before written)
         RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
         swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
                                  act.mutable_data_ptr<scalar_t>(), a1.numel());
       } else {
-        act = keep ? at::relu(a1) : a1.relu_();
+        act = keep ? own[0].narrow(0, 0, C) : a1;
+        at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
       Tensor y = ys.narrow(0, r0, C);
       matmul(y, act, w2[e], false, small);
@@ -267,17 +289,20 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
       if (glu) gw3[e].zero_();
     }
   }
+  const auto lanes = lanes_of(sizes, threads);
+  auto scratch = lane_scratch(lanes, sizes, glu ? 3 : 2, w1.size(2), xs.options());  // da, act (, dh3)
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(sizes, threads, small, [&](int64_t e) {
+    run_lanes(lanes, small, [&](int64_t e, int64_t lane) {
       const int64_t r0 = starts[e], C = sizes[e];
+      const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C), g = dy.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
-      Tensor da = at::empty({C, w2.size(1)}, g.options());  // [C, F]; becomes dh1
+      Tensor da = own[0].narrow(0, 0, C), act = own[1].narrow(0, 0, C);  // [C, F]; da becomes dh1
       matmul(da, g, w2[e].t(), false, small);
       Tensor xt = transpose_x ? x.t().contiguous() : x.t();
       Tensor gw1e = gw1[e], gw2e = gw2[e];
       if (glu) {
-        Tensor a3 = h3->narrow(0, r0, C), act = at::empty_like(da), dh3 = at::empty_like(da);
+        Tensor a3 = h3->narrow(0, r0, C), dh3 = own[2].narrow(0, 0, C);
         {
           RECORD_FUNCTION("mhmoe::swiglu_backward", std::vector<c10::IValue>());
           swiglu_backward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
@@ -296,12 +321,12 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
           matmul(dx, da, w1[e].t(), true, small);
         }
       } else {
-        Tensor act = at::relu(a1);
+        at::clamp_min_out(act, a1, 0);  // at::relu
         {
           RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
           matmul(gw2e, act.t(), g, false, small);
         }
-        da = at::threshold_backward(da, a1, 0);
+        at::threshold_backward_out(da, da, a1, 0);
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
           matmul(dx, da, w1[e].t(), false, small);
