@@ -9,7 +9,7 @@ router, head/merge MLPs, experts) forward + backward, on ``--tokens`` tokens, fo
 ``fused`` and ``chunked`` paths, and records what each keeps for the backward (bytes of the
 tensors autograd saves, via ``saved_tensors_hooks``)::
 
-    python benchmarks/thin_experts.py --json benchmarks/results/thin_experts_cpu.json
+    MHMOE_MALLOC=tuned python benchmarks/thin_experts.py --json benchmarks/results/thin_experts_avx512bf16_2core.json
 
 Prints a markdown table (docs/PERFORMANCE.md, "Thin experts").
 """
