@@ -2,7 +2,7 @@
 by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the docs' tables cite them.
 
     python benchmarks/cpu_suite.py --dry-run            # the commands for this CPU; nothing runs
-    python benchmarks/cpu_suite.py                      # all of them, in this order (23 minutes on the 2-core EPYC)
+    python benchmarks/cpu_suite.py                      # all of them, in this order (~27 minutes on the 2-core EPYC)
     python benchmarks/cpu_suite.py --steps bench profile --skip-existing
 
 Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer against the aligned same-FLOPs
