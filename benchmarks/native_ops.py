@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -30,6 +31,10 @@ from torch.profiler import ProfilerActivity, profile
 from mhmoe.moe.dispatch import native
 from mhmoe.research.bench import machine_info, time_fns
 from mhmoe.runtime.cpu_malloc import malloc_from_env
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the table formatter next to this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_tables  # noqa: E402
 
 TOPK_CASES = [(8, 1), (16, 2), (64, 2), (64, 6), (96, 3), (256, 8)]
 EXPERT_CASES = {"tiny-mh3": (93, 64, 128, 396), "d768-mh3": (96, 256, 512, 192)}  # E, D, F, rows per expert
@@ -128,23 +133,12 @@ def main(argv: list[str] | None = None) -> int:
              for dt in (torch.float32, torch.bfloat16)]
     gemms = [gemm_locality(n, dt, args.repeats, args.scale) for n in EXPERT_CASES
              for dt in (torch.float32, torch.bfloat16)]
-    print("| experts | k | C++ ns/row | torch.topk ns/row |\n|---|---|---|---|")
-    for r in topk:
-        print(f"| {r['experts']} | {r['k']} | {r['ns_per_row_cpp']:.0f} | {r['ns_per_row_torch']:.0f} |")
-    print("\n| shape | dtype | forward ms | GFLOP/s | backward ms | GFLOP/s | SwiGLU fwd ns/elem | bwd ns/elem |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in loops:
-        print(f"| {r['shape']} | {r['dtype']} | {r['ms_forward']:.2f} | {r['gflops_forward']:.0f} | "
-              f"{r['ms_backward']:.2f} | {r['gflops_backward']:.0f} | {r['ns_per_element_swiglu_forward']:.2f} | "
-              f"{r['ns_per_element_swiglu_backward']:.2f} |")
-    print("\n| shape | dtype | GEMM GFLOP/s, own weights | one weight reused | one large GEMM |\n|---|---|---|---|---|")
-    for r in gemms:
-        print(f"| {r['shape']} | {r['dtype']} | {r['gflops_distinct']:.0f} | {r['gflops_shared']:.0f} | "
-              f"{r['gflops_one_gemm']:.0f} |")
+    result = {"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
+              "gemm_locality": gemms}
+    print("\n\n".join(cpu_tables.native_ops(result)))  # as docs/PERFORMANCE.md shows them
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
-                       "gemm_locality": gemms}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
 
 
