@@ -13,8 +13,8 @@ dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goe
 parameter-parity layers' thin, wide experts on each path, ``thin_experts.py``), ``dispatch`` and
 ``dispatch_tiny`` (``cpu_dispatch.py --measure``, the d=768 layers and the tiny presets' in a file each: the
 candidates ``impl="auto"`` chooses from), ``table`` (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table
-from every dispatch file, this CPU's included), ``small_gemm`` / ``small_gemm_models`` (the bf16 micro-kernel
-against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU has native bf16
+from every dispatch file, this CPU's included), ``expert_gemm`` / ``expert_gemm_models`` (the C++ loop's own bf16
+GEMM kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU has native bf16
 (AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
 
 Every step is a process of its own with ``MHMOE_MALLOC=tuned`` and 2 threads (``OMP_NUM_THREADS=2``; the profile
@@ -107,9 +107,9 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
     if results == RESULTS:
         out.append(Step("table", _script("cpu_dispatch", "--table"), ()))
     if isa == "avx512_bf16":
-        layers, models = f"{results}/small_gemm_{tag}_2t.json", f"{results}/small_gemm_models_{tag}_2t.json"
-        out += [Step("small_gemm", _script("small_gemm", "--threads", "2", "--json", layers), (layers,)),
-                Step("small_gemm_models", _script("small_gemm", "--threads", "2", "--presets", "tiny-mh2", "tiny-mh3",
+        layers, models = f"{results}/expert_gemm_{tag}_2t.json", f"{results}/expert_gemm_models_{tag}_2t.json"
+        out += [Step("expert_gemm", _script("expert_gemm", "--threads", "2", "--json", layers), (layers,)),
+                Step("expert_gemm_models", _script("expert_gemm", "--threads", "2", "--presets", "tiny-mh2", "tiny-mh3",
                                                   "--rounds", "10", "--json", models), (models,))]
     return out
 

@@ -8,7 +8,7 @@ the CPU's ISA), in the docs' formats, each under the ``<!-- source: ... -->`` li
 (several tables under one source line: in order) and lists the tables it found no such line for, to be placed
 by hand with the prose that goes with them. Tables: the layer benchmark (``mhmoe bench moe``, two runs), the
 profile, the C++ ops (three), whole tiny and paper-size models, generation. The dispatch candidates' and the
-micro-kernel's tables are written by their own scripts (``cpu_dispatch.py``, ``small_gemm.py``).
+own GEMM kernel's tables are written by their own scripts (``cpu_dispatch.py``, ``expert_gemm.py``).
 """
 
 from __future__ import annotations
@@ -78,20 +78,23 @@ def throughput(files: list[dict[str, Any]], params: bool) -> str:
 
 
 def native_ops(data: dict[str, Any]) -> list[str]:
-    """``native_ops.py``: the top-k, the expert ops with their SwiGLU passes, ATen's GEMM locality."""
+    """``native_ops.py``: the top-k, the expert ops with their SwiGLU passes, the GEMMs' locality."""
     topk = _table(["experts", "k", "C++ ns/row", "`torch.topk` ns/row"],
                   [[f"`{r['experts']}`", f"`{r['k']}`", f"{r['ns_per_row_cpp']:.0f}", f"{r['ns_per_row_torch']:.0f}"]
                    for r in data["topk"]])
-    loops = _table(["expert shapes", "dtype", "forward ms", "GFLOP/s", "backward ms", "GFLOP/s",
+    loops = _table(["expert shapes", "dtype", "GEMMs", "forward ms", "GFLOP/s", "backward ms", "GFLOP/s",
                     "SwiGLU forward ns/element", "SwiGLU backward ns/element"],
-                   [[EXPERT_SHAPES[r["shape"]], r["dtype"], f"{r['ms_forward']:.2f}", f"{r['gflops_forward']:.0f}",
+                   [[EXPERT_SHAPES[r["shape"]], r["dtype"], "own kernel" if r.get("own_gemm") else "`at::mm`",
+                     f"{r['ms_forward']:.2f}", f"{r['gflops_forward']:.0f}",
                      f"{r['ms_backward']:.2f}", f"{r['gflops_backward']:.0f}",
                      f"{r['ns_per_element_swiglu_forward']:.2f}", f"{r['ns_per_element_swiglu_backward']:.2f}"]
                     for r in data["expert_loop"]])
     gemms = _table(["expert shapes", "dtype", "each expert its own weight", "one weight for all",
-                    "one GEMM of all the rows"],
+                    "one GEMM of all the rows", "own kernel, each its own weight"],
                    [[EXPERT_SHAPES[r["shape"]], r["dtype"], f"{r['gflops_distinct']:.0f}", f"{r['gflops_shared']:.0f}",
-                     f"{r['gflops_one_gemm']:.0f}"] for r in data.get("gemm_locality", [])])
+                     f"{r['gflops_one_gemm']:.0f}",
+                     f"{r['gflops_distinct_own_kernel']:.0f}" if "gflops_distinct_own_kernel" in r else "-"]
+                    for r in data.get("gemm_locality", [])])
     return [topk, loops, gemms] if data.get("gemm_locality") else [topk, loops]
 
 

@@ -11,7 +11,9 @@
   [rows, D] x [D, F] of every expert, GFLOP/s three ways, round-robin: each expert with its own weight and rows
   (what the expert loop sees: E weights that do not stay in cache), every expert reusing one weight and one
   block of rows (the same calls on cache-hot operands), and the same FLOPs as one [E * rows, D] x [D, F] GEMM
-  (a dense layer's shape). The gap between the first two is what the operands' locality costs per call.
+  (a dense layer's shape). The gap between the first two is what the operands' locality costs per call. Where
+  ``auto`` runs the loop's own bf16 kernel (:func:`mhmoe.moe.dispatch.native.dot_gemm`), the first way again on it
+  (``expert_matmul``; the expert loop above runs its GEMMs on it too).
 
 ::
 
@@ -66,13 +68,14 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
     h1, h3, ys, dxs = (torch.empty(R, F, dtype=dtype), torch.empty(R, F, dtype=dtype),
                        torch.empty(R, D, dtype=dtype), torch.empty(R, D, dtype=dtype))
     starts, sizes = [e * C for e in range(E)], [C] * E
-    small = native.small_gemm(dtype, D, F)
+    own = native.dot_gemm(dtype, D, F)  # the GEMMs on the loop's own kernel, as `auto` runs them
+    gemm = native.GEMM_DOT if own else native.GEMM_ATEN
 
     def fwd() -> None:
-        ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, starts, sizes, 1, small)
+        ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, starts, sizes, 1, gemm)
 
     def bwd() -> None:
-        ops.expert_backward(xs, h1, h3, dy, w1, w2, w3, dxs, starts, sizes, 1, small)
+        ops.expert_backward(xs, h1, h3, dy, w1, w2, w3, dxs, starts, sizes, 1, gemm)
 
     fwd()
     ms, _ = time_fns({"forward": fwd, "backward": bwd}, torch.device("cpu"), repeats)
@@ -86,7 +89,7 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
             passes[ev.name] += ev.cpu_time_total / repeats  # us per call of the op
     flops = 2 * R * D * F * 3
     return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "d_in": D, "d_hidden": F,
-            "rows": R, "small_gemm": small, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
+            "rows": R, "own_gemm": own, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
             "gflops_forward": flops / ms["forward"] / 1e6, "gflops_backward": 2 * flops / ms["backward"] / 1e6,
             "ns_per_element_swiglu_forward": passes[LABELS[0]] * 1e3 / (R * F),
             "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F)}
@@ -108,8 +111,16 @@ def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> 
         for e in range(E):
             torch.mm(xs[0], w[0], out=out[e])
 
-    ms, _ = time_fns({"distinct": each_own, "shared": all_one,
-                      "one_gemm": lambda: torch.mm(flat_x, w[0], out=flat_out)}, torch.device("cpu"), repeats)
+    fns = {"distinct": each_own, "shared": all_one, "one_gemm": lambda: torch.mm(flat_x, w[0], out=flat_out)}
+    if native.dot_gemm(dtype, D, F):  # the loop's own kernel on the same calls as each_own
+        ops = native._ops()
+
+        def each_own_kernel() -> None:
+            for e in range(E):
+                ops.expert_matmul(xs[e], w[e], out[e], False, native.GEMM_DOT)
+
+        fns["distinct_own_kernel"] = each_own_kernel
+    ms, _ = time_fns(fns, torch.device("cpu"), repeats)
     flops = 2 * E * C * D * F
     return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "rows_per_expert": C,
             "d_in": D, "d_hidden": F, **{f"gflops_{k}": flops / v / 1e6 for k, v in ms.items()}}

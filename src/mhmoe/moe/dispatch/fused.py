@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.moe.dispatch.cpu_table import cpu_choice
 from mhmoe.moe.dispatch.layout import RowLayout, row_layout
-from mhmoe.moe.dispatch.native import expert_ops, small_gemm
+from mhmoe.moe.dispatch.native import GEMM_ATEN, GEMM_DOT, dot_gemm, expert_ops
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -151,7 +151,7 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, layout: RowLayout,
-                chunk: int, workers: int, native: Any | None = None, keep: bool = True, small: bool = False) -> Tensor:
+                chunk: int, workers: int, native: Any | None = None, keep: bool = True, gemm: int = GEMM_ATEN) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         R = layout.rows
@@ -176,13 +176,13 @@ class _FusedMoE(torch.autograd.Function):
         if layout.batched:
             _batched_forward(xs, w1, w2, w3, h1, h3, ys[:R])
         elif native is not None:  # the same loop in C++ (mhmoe.moe.dispatch.native)
-            native.expert_forward(xs, w1, w2, w3, h1, h3, ys[:R], layout.starts, layout.sizes, workers, small)
+            native.expert_forward(xs, w1, w2, w3, h1, h3, ys[:R], layout.starts, layout.sizes, workers, gemm)
         else:
             _run_blocks(_blocks(layout.sizes, chunk), block, workers)
         # out[s] = sum_k w[s,k] ys[inv[s,k]]: gather and weighted sum over the K slots in one kernel
         out = F.embedding_bag(layout.inv.view(S, K), ys, mode="sum", per_sample_weights=weights)
         ctx.save_for_backward(xs, h1, h3, ys, weights, w1, w2, w3)
-        ctx.layout, ctx.chunk, ctx.workers, ctx.native, ctx.small = layout, chunk, workers, native, small
+        ctx.layout, ctx.chunk, ctx.workers, ctx.native, ctx.gemm = layout, chunk, workers, native, gemm
         return out
 
     @staticmethod
@@ -205,7 +205,7 @@ class _FusedMoE(torch.autograd.Function):
             gw1, gw2, gw3 = _batched_backward(xs, h1, h3, g, w1, w2, w3, dxs[:R] if need_dx else None)
         elif ctx.native is not None:
             gw1, gw2, *rest = ctx.native.expert_backward(xs, h1, h3, g, w1, w2, w3, dxs[:R] if need_dx else None,
-                                                         layout.starts, layout.sizes, ctx.workers, ctx.small)
+                                                         layout.starts, layout.sizes, ctx.workers, ctx.gemm)
             gw3 = rest[0] if rest else None
         else:
             gw1, gw2, gw3 = _blocks_backward(xs, h1, h3, g, w1, w2, w3, dxs, layout, chunk, ctx.workers)
@@ -354,10 +354,10 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
     ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
-    small = ops is not None and small_gemm(dtype, experts.d_in, experts.d_hidden)
+    gemm = GEMM_DOT if ops is not None and dot_gemm(dtype, experts.d_in, experts.d_hidden) else GEMM_ATEN
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
-                               ops, trains, small)
+                               ops, trains, gemm)
 
 
 def _native_ops(native: bool | None, device: torch.device, dtype: torch.dtype) -> Any | None:

@@ -2,9 +2,10 @@
 (``expert_loop.cpp``, ``router_topk.cpp``, ``token_xent.cpp``, ``gathered_ffn.cpp``), compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
-same order -- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop
-makes about seven passes over each [C, F] hidden block) and no Python between the kernels; experts are spread
-over the intra-op threads in C++. The element-wise passes use ATen's silu / silu_backward formulas and round
+same order, or for small bf16 experts on CPUs with AVX-512 BF16 and no AMX its own GEMM kernel (:func:`dot_gemm`)
+-- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop makes about
+seven passes over each [C, F] hidden block) and no Python between the kernels; experts are spread over the
+intra-op threads in C++. The element-wise passes use ATen's silu / silu_backward formulas and round
 to bf16 where the Python loop stores a bf16 intermediate, so both loops give the same numbers (bit-identical in
 the tests; where ATen splits one of its element-wise ops over threads, its vector/scalar boundaries move and the
 last bit may differ). Why C++ and not ``torch.compile``: the loop's row counts change every step
@@ -59,7 +60,7 @@ from mhmoe.runtime.cpu import cpu_isa
 SOURCES = [Path(__file__).with_name(name)
            for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp")]
 # included by the sources; part of the build's key
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -67,10 +68,11 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 DTYPES = (torch.float32, torch.bfloat16)
-# bf16 experts whose weight matrices have fewer elements than this run their GEMMs on oneDNN's brgemm
-# micro-kernel (small_gemm), on the ISAs where that was measured faster than at::mm
-SMALL_GEMM_WEIGHTS = 32768
-SMALL_GEMM_ISAS = ("avx512_bf16",)
+# bf16 experts whose weight matrices have at most this many elements run their GEMMs on the loop's own AVX-512 BF16
+# kernel (dot_gemm.h) on the ISAs listed; larger ones on at::mm (oneDNN), as fast there (docs/PERFORMANCE.md)
+DOT_GEMM_WEIGHTS = 1 << 18
+DOT_GEMM_ISAS = ("avx512_bf16",)
+GEMM_ATEN, GEMM_DOT = 0, 1  # the C++ loop's `gemm` argument
 MAX_TOPK = 8  # topk_rows keeps the k + 1 best scores of every vector lane; larger k: torch.topk
 log = logging.getLogger(__name__)
 
@@ -156,14 +158,14 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
     return _ops()
 
 
-def small_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> bool:
-    """Whether the C++ loop runs an expert's GEMMs on oneDNN's brgemm micro-kernel (``small=True``: the right
-    operand packed by the loop, fp32 accumulation, the same sums as ``at::mm`` at these sizes) instead of
-    ``at::mm``: bf16, weight matrices of fewer than ``SMALL_GEMM_WEIGHTS`` elements (the tiny presets' h=2 and
-    h=3 experts, whose GEMMs at::mm runs at 110-130 GFLOP/s for 150-180 on the micro-kernel), on the ISAs
-    where that was measured (``SMALL_GEMM_ISAS``; an AVX-512 build of the extension)."""
-    return (dtype == torch.bfloat16 and d_in * d_hidden < SMALL_GEMM_WEIGHTS and capability() == "AVX512"
-            and cpu_isa() in SMALL_GEMM_ISAS)
+def dot_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> bool:
+    """Whether the C++ loop runs an expert's GEMMs on its own bf16 kernel (``dot_gemm.h``: the AVX-512 BF16
+    dot-product instruction, the right operand packed per call, fp32 sums in K order) instead of ``at::mm``: bf16,
+    weight matrices of at most ``DOT_GEMM_WEIGHTS`` elements (the d=768 h=3 layer's 256 x 512 and every tiny
+    preset's experts, whose GEMMs it ran 5-60% faster than at::mm; from 384 x 768 up the two ran alike), on the
+    ISAs of ``DOT_GEMM_ISAS`` (native bf16 without AMX, whose tiles oneDNN uses) with an AVX-512 build."""
+    return (dtype == torch.bfloat16 and d_in * d_hidden <= DOT_GEMM_WEIGHTS and capability() == "AVX512"
+            and cpu_isa() in DOT_GEMM_ISAS)
 
 
 def topk_indices(scores: Tensor, k: int) -> Tensor:

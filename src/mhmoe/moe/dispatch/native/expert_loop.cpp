@@ -3,8 +3,8 @@
 // spread over the intra-op threads (whole experts per thread, each GEMM single-threaded), no Python between
 // the kernels. Registered as torch.ops.mhmoe_cpu.{expert_forward, expert_backward}; the Python path
 // (mhmoe/moe/dispatch/fused.py) is the same computation op for op and the reference the tests hold it to.
-// With `small` (bf16 experts with small weight matrices, decided in Python: native.small_gemm) the GEMMs run
-// on oneDNN's brgemm micro-kernel with the right operand packed here (SmallGemm below) instead of at::mm.
+// With `gemm` = kDot (bf16 experts on CPUs with AVX-512 BF16 and no AMX, decided in Python: native.dot_gemm) the
+// GEMMs run on the dot-product kernel of dot_gemm.h instead of at::mm.
 //
 // Shape legend: R rows of the expert-grouped buffer (expert e owns rows [starts[e], starts[e] + sizes[e])),
 // D expert width, F expert hidden width, E experts, C rows of one expert.
@@ -16,13 +16,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "dot_gemm.h"
 #include "swiglu.h"
 #include "vec_io.h"
-#if defined(__AVX512BW__)
-#include <ATen/native/CPUBlas.h>
-#include <immintrin.h>
-#define MHMOE_BRGEMM 1
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -39,86 +35,63 @@ using mhmoe_native::store2;
 using mhmoe_native::swiglu_backward;
 using mhmoe_native::swiglu_forward;
 
-#ifdef MHMOE_BRGEMM
-// bf16 GEMMs of one expert on oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm, fp32 accumulation in a
-// scratch block), the right operand packed here into the micro-kernel's pair-interleaved layout [K/2][N][2].
-// For the small experts of the tiny presets at::mm's fixed cost per call (primitive lookup, its own packing)
-// is a large part of each GEMM (docs/PERFORMANCE.md). Outputs and input gradients come out bit-identical to
-// at::mm's in the tests; the weight gradients (sums over an expert's rows, which at::mm may order differently)
-// within one bf16 rounding step (about 1 element in 10^5 differs in its last bit).
-struct SmallGemm {
-  // rows k, k + 1 of src [K, N] (row stride ld) -> p [K/2][N][2]; N a multiple of 32
-  static void pack_rows(const at::BFloat16* src, int64_t ld, int64_t K, int64_t N, at::BFloat16* p) {
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
-                                        22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-    for (int64_t k = 0; k < K; k += 2) {
-      const at::BFloat16* r0 = src + k * ld;
-      at::BFloat16* o = p + k * N;
-      for (int64_t n = 0; n < N; n += 32) {
-        __m512i a = _mm512_loadu_si512(r0 + n), b = _mm512_loadu_si512(r0 + ld + n);
-        _mm512_storeu_si512(o + 2 * n, _mm512_permutex2var_epi16(a, lo, b));
-        _mm512_storeu_si512(o + 2 * n + 32, _mm512_permutex2var_epi16(a, hi, b));
-      }
-    }
+// Where an expert's GEMMs run (decided in Python: native.gemm_kernel).
+enum Gemm : int64_t { kAten = 0, kDot = 1 };
+
+#ifdef MHMOE_DOT_GEMM
+// bf16 GEMMs on the AVX-512 BF16 dot-product kernel of dot_gemm.h: out [M, N] contiguous, N a multiple of 32; the
+// left operand row-major (its pairs read in place; K even, rows 4-byte aligned) or a transposed view (packed: the
+// weight gradients' X^T, K the expert's rows, odd counts padded with a zero pair); the right one row-major or a
+// transposed view of a row-major matrix (K even, rows 4-byte aligned), packed into pairs. Per-thread scratch.
+struct DotGemm {
+  static bool aligned(const Tensor& t, int64_t stride) {
+    return stride % 2 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0;
   }
-  // the transpose of src [N, K] (row stride ld, even): p[k/2][n] as 32-bit pairs = src[n][k], src[n][k + 1]
-  static void pack_transposed(const at::BFloat16* src, int64_t ld, int64_t K, int64_t N, at::BFloat16* p) {
-    const auto* s32 = reinterpret_cast<const int32_t*>(src);
-    auto* p32 = reinterpret_cast<int32_t*>(p);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)(ld / 2)));
-    for (int64_t n = 0; n < N; n += 16)
-      for (int64_t kk = 0; kk < K / 2; ++kk)
-        _mm512_storeu_si512(p32 + kk * N + n, _mm512_i32gather_epi32(rows, s32 + n * (ld / 2) + kk, 4));
-  }
-  // whether out [M, N] = a [M, K] · b runs here: bf16, b row-major or the transpose of a row-major matrix whose
-  // element pairs are 4-byte aligned (even row stride and offset), K even, N a multiple of 32, out contiguous
   static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
     const int64_t K = a.size(1), N = b.size(1);
-    const bool rows = b.stride(1) == 1;
-    const bool pairs = b.stride(0) == 1 && b.stride(1) % 2 == 0 &&
-                       reinterpret_cast<uintptr_t>(b.const_data_ptr()) % 4 == 0;
-    return a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && (rows || pairs) && K % 2 == 0 &&
-           N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
+    const bool a_rows = a.stride(1) == 1 && K % 2 == 0 && aligned(a, a.stride(0));
+    const bool a_cols = a.stride(0) == 1;
+    const bool b_rows = b.stride(1) == 1, b_cols = b.stride(0) == 1 && K % 2 == 0 && aligned(b, b.stride(1));
+    return mhmoe_native::dot_gemm::supported() && a.scalar_type() == at::kBFloat16 &&
+           b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+           (a_rows || a_cols) && (b_rows || b_cols) && N % 32 == 0 &&
+           out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
-  // out = a · b, or with add out = a · b + out (rounded once, as addmm_); a transposed view's rows are copied out
-  static void run(Tensor& out, const Tensor& a_in, const Tensor& b, bool add) {
-    const Tensor a = a_in.stride(1) == 1 ? a_in : a_in.contiguous();
-    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-    // per-thread scratch, grown as needed (never zero-filled: every element is written before it is read)
-    thread_local std::vector<at::BFloat16> packed;
-    thread_local std::vector<float> acc;
-    if ((int64_t)packed.size() < K * N) packed.resize(K * N);
-    if ((int64_t)acc.size() < M * N) acc.resize(M * N);
+  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
+    namespace dg = mhmoe_native::dot_gemm;
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
+    thread_local std::vector<uint32_t> pa, pb;  // grown as needed, never zero-filled (every element written first)
+    if ((int64_t)pb.size() < KK * N) pb.resize(KK * N);
+    const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
     if (b.stride(1) == 1)
-      pack_rows(b.const_data_ptr<at::BFloat16>(), b.stride(0), K, N, packed.data());
+      dg::pack_row_pairs(bp, b.stride(0), K, N, pb.data());
     else
-      pack_transposed(b.const_data_ptr<at::BFloat16>(), b.stride(1), K, N, packed.data());
-    at::native::cpublas::brgemm(M, N, K, a.stride(0), N, N, false, a.const_data_ptr<at::BFloat16>(), packed.data(),
-                                acc.data(), true);
-    auto* o = out.mutable_data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * N; i += 2 * fVec::size()) {
-      fVec x, y;
-      load2(acc.data() + i, x, y);
-      if (add) {
-        fVec u, v;
-        load2(o + i, u, v);
-        x = x + u;
-        y = y + v;
-      }
-      store2(o + i, x, y);
+      dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp), b.stride(1) / 2, KK, N, pb.data());
+    const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
+    auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+    const bool hint = next.defined() && next.is_contiguous();
+    const void* pf = hint ? next.const_data_ptr() : nullptr;
+    const int64_t pf_bytes = hint ? next.numel() * next.element_size() : 0;
+    if (a.stride(0) == 1) {  // a = t.t() for a row-major t [K, M]: t's rows in pairs, element (i, kk) at kk * M + i
+      if ((int64_t)pa.size() < KK * M) pa.resize(KK * M);
+      dg::pack_row_pairs(ap, a.stride(1), K, M, pa.data());
+      dg::gemm(pa.data(), 1, M, pb.data(), M, N, KK, o, N, add, pf, pf_bytes, stream);
+    } else {
+      dg::gemm(reinterpret_cast<const uint32_t*>(ap), a.stride(0) / 2, 1, pb.data(), M, N, KK, o, N, add, pf, pf_bytes,
+               stream);
     }
   }
 };
 #endif
 
-// out = a · b (add: out += a · b): on the brgemm micro-kernel with `small` where SmallGemm fits, else ATen's.
-void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, bool small) {
-#ifdef MHMOE_BRGEMM
-  if (small && SmallGemm::fits(out, a, b)) {
-    SmallGemm::run(out, a, b, add);
+// out = a · b (add: out += a · b, rounded once as addmm_) where `gemm` says, where that kernel fits; else ATen's.
+// Hints for the kDot kernel: `next`, what the caller reads after this GEMM (the next weight matrix), pulled into the
+// cache during it; `stream`, an output not read again soon (the weight gradients), written around the cache.
+void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm, const Tensor& next = Tensor(),
+            bool stream = false) {
+#ifdef MHMOE_DOT_GEMM
+  if (gemm == kDot && DotGemm::fits(out, a, b)) {
+    DotGemm::run(out, a, b, add, next, stream);
     return;
   }
 #endif
@@ -126,13 +99,6 @@ void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, bool small) 
     out.addmm_(a, b);
   else
     at::mm_out(out, a, b);
-}
-
-// Release the micro-kernel's hardware state (AMX tiles) on this thread after a lane of experts.
-void release_small_gemm(bool small) {
-#ifdef MHMOE_BRGEMM
-  if (small) at::native::cpublas::brgemm_release(true);
-#endif
 }
 
 // Whole experts per lane, longest first onto the least-loaded lane (blocks of one expert stay on one thread,
@@ -157,6 +123,12 @@ std::vector<std::vector<int64_t>> lanes_of(const std::vector<int64_t>& sizes, in
   return lanes;
 }
 
+// The expert after e in its lane, or -1.
+int64_t next_expert(const std::vector<int64_t>& lane, int64_t e) {
+  auto it = std::find(lane.begin(), lane.end(), e);
+  return it == lane.end() || it + 1 == lane.end() ? -1 : *(it + 1);
+}
+
 // f(T{}) with T the C++ type of a float32 or bfloat16 tensor (the dtypes the fused path runs natively).
 template <typename F>
 void dispatch_dtype(at::ScalarType t, const F& f) {
@@ -171,17 +143,15 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
 // work(e, lane) for every expert of every lane: lanes in parallel over the intra-op threads, the experts of a lane
 // in order on one thread.
 template <typename F>
-void run_lanes(const std::vector<std::vector<int64_t>>& lanes, bool small, const F& work) {
+void run_lanes(const std::vector<std::vector<int64_t>>& lanes, const F& work) {
   if (lanes.size() == 1) {
     for (int64_t e : lanes[0]) work(e, 0);
-    release_small_gemm(small);
     return;
   }
   at::parallel_for(0, (int64_t)lanes.size(), 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;
     for (int64_t l = begin; l < end; ++l)
       for (int64_t e : lanes[l]) work(e, l);
-    release_small_gemm(small);
   });
 }
 
@@ -228,7 +198,7 @@ void check_hidden(const Tensor& xs, const Tensor& w1, const std::optional<Tensor
 // them (forward-only calls) every expert's pre-activations live in blocks of its own, freed after its GEMMs.
 void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const std::optional<Tensor>& w3,
                     std::optional<Tensor> h1, std::optional<Tensor> h3, Tensor ys, std::vector<int64_t> starts,
-                    std::vector<int64_t> sizes, int64_t threads, bool small) {
+                    std::vector<int64_t> sizes, int64_t threads, int64_t gemm) {
   const bool glu = w3.has_value(), keep = h1.has_value();
   const int64_t F = w1.size(2);
   check_shapes(xs, w1, w2, w3, starts, sizes);
@@ -240,16 +210,16 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   auto scratch = lane_scratch(lanes, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(lanes, small, [&](int64_t e, int64_t lane) {
+    run_lanes(lanes, [&](int64_t e, int64_t lane) {
       const int64_t r0 = starts[e], C = sizes[e];
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C);
       Tensor a1 = keep ? h1->narrow(0, r0, C) : own[0].narrow(0, 0, C);
-      matmul(a1, x, w1[e], false, small);
+      matmul(a1, x, w1[e], false, gemm, glu ? (*w3)[e] : w2[e]);
       Tensor act;
       if (glu) {
         Tensor a3 = keep ? h3->narrow(0, r0, C) : own[1].narrow(0, 0, C);
-        matmul(a3, x, (*w3)[e], false, small);
+        matmul(a3, x, (*w3)[e], false, gemm, w2[e]);
         act = keep ? own[0].narrow(0, 0, C) : a3;  // without buffers to keep, over h3 (read before written)
         RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
         swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
@@ -259,7 +229,8 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
       Tensor y = ys.narrow(0, r0, C);
-      matmul(y, act, w2[e], false, small);
+      const int64_t after = next_expert(lanes[lane], e);
+      matmul(y, act, w2[e], false, gemm, after < 0 ? Tensor() : w1[after]);
     });
   });
 }
@@ -272,14 +243,14 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
                                     const Tensor& dy, const Tensor& w1, const Tensor& w2,
                                     const std::optional<Tensor>& w3, std::optional<Tensor> dxs,
                                     std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t threads,
-                                    bool small) {
+                                    int64_t gemm) {
   const int64_t E = w1.size(0);
   check_shapes(xs, w1, w2, w3, starts, sizes);
   check_hidden(xs, w1, w3, h1, h3);
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == xs.sizes(), "dy must be a contiguous [R, D] tensor");
   TORCH_CHECK(!dxs || (dxs->is_contiguous() && dxs->sizes() == xs.sizes()), "dxs must be a contiguous [R, D] tensor");
   const bool glu = w3.has_value();
-  const bool transpose_x = xs.scalar_type() == at::kBFloat16;
+  const bool transpose_x = xs.scalar_type() == at::kBFloat16 && gemm != kDot;
   Tensor gw1 = at::empty_like(w1), gw2 = at::empty_like(w2);
   Tensor gw3 = glu ? at::empty_like(*w3) : Tensor();
   for (int64_t e = 0; e < E; ++e) {
@@ -293,12 +264,14 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
   auto scratch = lane_scratch(lanes, sizes, glu ? 3 : 2, w1.size(2), xs.options());  // da, act (, dh3)
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(lanes, small, [&](int64_t e, int64_t lane) {
+    run_lanes(lanes, [&](int64_t e, int64_t lane) {
       const int64_t r0 = starts[e], C = sizes[e];
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C), g = dy.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
       Tensor da = own[0].narrow(0, 0, C), act = own[1].narrow(0, 0, C);  // [C, F]; da becomes dh1
-      matmul(da, g, w2[e].t(), false, small);
+      const int64_t after = next_expert(lanes[lane], e);
+      const Tensor next_w2 = after < 0 ? Tensor() : w2[after];
+      matmul(da, g, w2[e].t(), false, gemm, glu ? Tensor() : w1[e]);
       Tensor xt = transpose_x ? x.t().contiguous() : x.t();
       Tensor gw1e = gw1[e], gw2e = gw2[e];
       if (glu) {
@@ -312,44 +285,55 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
         Tensor gw3e = gw3[e];
         {
           RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
-          matmul(gw2e, act.t(), g, false, small);
-          matmul(gw3e, xt, dh3, false, small);
+          matmul(gw2e, act.t(), g, false, gemm, Tensor(), true);
+          matmul(gw3e, xt, dh3, false, gemm, dxs ? (*w3)[e] : Tensor(), true);
         }
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
-          matmul(dx, dh3, (*w3)[e].t(), false, small);
-          matmul(dx, da, w1[e].t(), true, small);
+          matmul(dx, dh3, (*w3)[e].t(), false, gemm, w1[e]);
+          matmul(dx, da, w1[e].t(), true, gemm);
         }
       } else {
         at::clamp_min_out(act, a1, 0);  // at::relu
         {
           RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
-          matmul(gw2e, act.t(), g, false, small);
+          matmul(gw2e, act.t(), g, false, gemm, Tensor(), true);
         }
         at::threshold_backward_out(da, da, a1, 0);
         if (dxs) {
           Tensor dx = dxs->narrow(0, r0, C);
-          matmul(dx, da, w1[e].t(), false, small);
+          matmul(dx, da, w1[e].t(), false, gemm);
         }
       }
       RECORD_FUNCTION("mhmoe::wgrad", std::vector<c10::IValue>());
-      matmul(gw1e, xt, da, false, small);
+      matmul(gw1e, xt, da, false, gemm, next_w2, true);
     });
   });
   if (glu) return {gw1, gw2, gw3};
   return {gw1, gw2};
 }
 
+// out = a · b (add: out += a · b) on the loop's GEMM `gemm` (kDot where it fits, else ATen's; `stream`: the
+// kDot kernel's non-temporal stores): one expert GEMM as the loop runs it, for the tests and the benchmarks.
+void expert_matmul(const Tensor& a, const Tensor& b, Tensor out, bool add, int64_t gemm, bool stream) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
+              out.size(1) == b.size(1), "expert_matmul: shapes");
+  at::NoGradGuard no_grad;
+  matmul(out, a, b, add, gemm, Tensor(), stream);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mhmoe_cpu, m) {
   m.def("expert_forward(Tensor xs, Tensor w1, Tensor w2, Tensor? w3, Tensor(a!)? h1, Tensor(b!)? h3, Tensor(c!) ys, "
-        "int[] starts, int[] sizes, int threads, bool small=False) -> ()");
+        "int[] starts, int[] sizes, int threads, int gemm=0) -> ()");
   m.def("expert_backward(Tensor xs, Tensor h1, Tensor? h3, Tensor dy, Tensor w1, Tensor w2, Tensor? w3, "
-        "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads, bool small=False) -> Tensor[]");
+        "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads, int gemm=0) -> Tensor[]");
+  m.def("expert_matmul(Tensor a, Tensor b, Tensor(a!) out, bool add=False, int gemm=0, bool stream=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mhmoe_cpu, CPU, m) {
+  m.impl("expert_matmul", &expert_matmul);
   m.impl("expert_forward", &expert_forward);
   m.impl("expert_backward", &expert_backward);
 }

@@ -1,18 +1,17 @@
-"""The C++ expert loop's two GEMM back ends on bf16 MoE layers: ATen's ``at::mm`` against oneDNN's brgemm
-micro-kernel with the loop's own packing (``small`` in :mod:`mhmoe.moe.dispatch.native`; ``auto`` uses it for
-experts whose weight matrices have fewer than ``SMALL_GEMM_WEIGHTS`` elements on the ISAs listed there).
+"""The C++ expert loop's two GEMM back ends on bf16 MoE layers: ATen's ``at::mm`` (oneDNN) against the loop's own
+AVX-512 BF16 kernel (``dot_gemm.h``; ``auto`` uses it where :func:`mhmoe.moe.dispatch.native.dot_gemm` says: weight
+matrices of at most ``DOT_GEMM_WEIGHTS`` elements on the ISAs listed there).
 
 Each layer (``benchmarks/cpu_dispatch.py``'s configurations, ``auto``'s row layout) runs forward + backward
 with both back ends in turn, round-robin in one process; medians, the speedup and how many of the output and
-gradient tensors came out bit-identical (``auto`` uses the micro-kernel only where the layer's weight matrices are
-small; at larger ones at::mm splits the sums differently). With ``--presets``, whole training steps of those
-presets instead (``benchmarks/train_throughput.py``'s step, bf16), each back end with rows aligned to 16 and to
-32, against the dense preset's FLOP rate::
+gradient tensors came out bit-identical (both sum in K order in fp32; where oneDNN splits a long K the last bit
+differs). With ``--presets``, whole training steps of those presets instead (``benchmarks/train_throughput.py``'s
+step, bf16), each back end with rows aligned to 16 and to 32, against the dense preset's FLOP rate::
 
-    MHMOE_MALLOC=tuned python benchmarks/small_gemm.py --threads 2 \\
-        --json benchmarks/results/small_gemm_avx512bf16_2t.json
-    MHMOE_MALLOC=tuned python benchmarks/small_gemm.py --threads 2 --presets tiny-mh2 tiny-mh3 \\
-        --json benchmarks/results/small_gemm_models_avx512bf16_2t.json
+    MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 \\
+        --json benchmarks/results/expert_gemm_avx512bf16_2t.json
+    MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 --presets tiny-mh2 tiny-mh3 \\
+        --json benchmarks/results/expert_gemm_models_avx512bf16_2t.json
 """
 
 from __future__ import annotations
@@ -40,22 +39,22 @@ from mhmoe.moe.layers import build_ffn_layer  # noqa: E402
 from mhmoe.runtime.cpu import cpu_info, cpu_isa  # noqa: E402
 from mhmoe.runtime.cpu_malloc import malloc_from_env  # noqa: E402
 
-LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "mh3", "mh2"]
-NATIVE_BF16 = ("avx512_bf16", "amx")  # the ISAs whose bf16 micro-kernel oneDNN runs natively
+ISAS = ("avx512_bf16", "amx")  # the kernel runs where the CPU has AVX-512 BF16 (auto: DOT_GEMM_ISAS)
+LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "tiny-smoe", "mh3", "mh2", "fgmoe", "smoe"]
 
 
 @contextmanager
-def brgemm(on: bool, align: int | None = None) -> Iterator[None]:
-    """Within the block the fused path's C++ loop uses the micro-kernel (on) or at::mm (off) for every layer, and
+def own_kernel(on: bool, align: int | None = None) -> Iterator[None]:
+    """Within the block the fused path's C++ loop uses its own kernel (on) or at::mm (off) for every layer, and
     with ``align`` rows aligned to it instead of the dispatch table's alignment."""
-    rule, table = fused.small_gemm, fused.cpu_choice
-    fused.small_gemm = lambda *args: on  # type: ignore[assignment]
+    rule, table = fused.dot_gemm, fused.cpu_choice
+    fused.dot_gemm = lambda *args: on  # type: ignore[assignment]
     if align:
         fused.cpu_choice = lambda *a, **k: replace(table(*a, **k), align=align)  # type: ignore[assignment]
     try:
         yield
     finally:
-        fused.small_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
+        fused.dot_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -74,11 +73,11 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
     x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     results, times = {}, {False: [], True: []}
     for flag in (False, True):
-        with brgemm(flag):
+        with own_kernel(flag):
             results[flag] = _step(layer, x)
     for _ in range(rounds):
         for flag in (False, True):
-            with brgemm(flag):
+            with own_kernel(flag):
                 t0 = time.perf_counter()
                 _step(layer, x)
                 times[flag].append(time.perf_counter() - t0)
@@ -86,8 +85,8 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
     equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
     experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))  # the routed experts
     return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
-            "tokens": tokens or 2048, "ms_aten": ms[False], "ms_brgemm": ms[True], "speedup": ms[False] / ms[True],
-            "auto_uses_brgemm": native.small_gemm(torch.bfloat16, experts.d_in, experts.d_hidden),
+            "tokens": tokens or 2048, "ms_aten": ms[False], "ms_own": ms[True], "speedup": ms[False] / ms[True],
+            "auto_uses_own": native.dot_gemm(torch.bfloat16, experts.d_in, experts.d_hidden),
             "tensors_equal": sum(equal), "tensors": len(equal)}
 
 
@@ -101,12 +100,12 @@ def measure_models(presets: list[str], rounds: int, dense: str = "tiny-dense") -
     times: dict[tuple, list[float]] = {v: [] for v in variants}
     for r in range(rounds + 2):  # two warm-up rounds
         for v in variants:
-            with brgemm(v[1], v[2]):
+            with own_kernel(v[1], v[2]):
                 seconds = steps[v[0]][0](r)[0]
             if r >= 2:
                 times[v].append(seconds)
     base = statistics.median(times[variants[0]]) / steps[dense][1]["fwd_flops_per_token"]
-    return [{"preset": p, "gemm": "micro-kernel" if on else "at::mm", "align": a,
+    return [{"preset": p, "gemm": "own kernel" if on else "at::mm", "align": a,
              "ms_per_step": statistics.median(times[(p, on, a)]) * 1e3,
              "vs_dense": base * steps[p][1]["fwd_flops_per_token"] / statistics.median(times[(p, on, a)])}
             for p, on, a in variants]
@@ -124,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     malloc_from_env()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512" or cpu_isa() not in NATIVE_BF16:
-        print("small_gemm: needs the C++ expert loop built for AVX-512 and a CPU with native bf16 "
-              f"({', '.join(NATIVE_BF16)}; this one: {cpu_isa()})", file=sys.stderr)
+    if native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512" or cpu_isa() not in ISAS:
+        print("expert_gemm: needs the C++ expert loop built for AVX-512 and a CPU with AVX-512 BF16 "
+              f"({', '.join(ISAS)}; this one: {cpu_isa()})", file=sys.stderr)
         return 2
     rows = []
     if args.presets:
@@ -137,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in [] if args.presets else args.layers:
         row = measure(name, args.rounds)
         rows.append(row)
-        print(f"{name:11s} at::mm {row['ms_aten']:7.1f} ms  brgemm {row['ms_brgemm']:7.1f} ms  "
+        print(f"{name:11s} at::mm {row['ms_aten']:7.1f} ms  own {row['ms_own']:7.1f} ms  "
               f"speedup {row['speedup']:.3f}  equal {row['tensors_equal']}/{row['tensors']}  "
-              f"auto: {'brgemm' if row['auto_uses_brgemm'] else 'at::mm'}")
+              f"auto: {'own' if row['auto_uses_own'] else 'at::mm'}")
     model = cpu_info()[0]
     print(f"{model} ({cpu_isa()}), {torch.get_num_threads()} threads, torch {torch.__version__}")
     if args.json:
