@@ -13,9 +13,9 @@ dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goe
 parameter-parity layers' thin, wide experts on each path, ``thin_experts.py``), ``dispatch`` and
 ``dispatch_tiny`` (``cpu_dispatch.py --measure``, the d=768 layers and the tiny presets' in a file each: the
 candidates ``impl="auto"`` chooses from), ``table`` (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table
-from every dispatch file, this CPU's included), ``expert_gemm`` / ``expert_gemm_models`` (the C++ loop's own bf16
-GEMM kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU has native bf16
-(AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
+from every dispatch file, this CPU's included), ``expert_gemm`` / ``expert_gemm_models`` (the C++ loop's own
+bf16 GEMM kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU
+has native bf16 (AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
 
 Every step is a process of its own with ``MHMOE_MALLOC=tuned`` and 2 threads (``OMP_NUM_THREADS=2``; the profile
 and the C++ ops: one), run from this checkout's ``src``; its output streams to this terminal. A failed step is

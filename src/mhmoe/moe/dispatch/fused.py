@@ -151,7 +151,8 @@ class _FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None, layout: RowLayout,
-                chunk: int, workers: int, native: Any | None = None, keep: bool = True, gemm: int = GEMM_ATEN) -> Tensor:
+                chunk: int, workers: int, native: Any | None = None, keep: bool = True,
+                gemm: int = GEMM_ATEN) -> Tensor:
         S, K = weights.shape
         D, Fh = w1.shape[1], w1.shape[2]
         R = layout.rows
