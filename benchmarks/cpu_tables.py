@@ -7,8 +7,8 @@ the CPU's ISA), in the docs' formats, each under the ``<!-- source: ... -->`` li
 ``--write`` replaces a table of docs/PERFORMANCE.md whose source line names exactly the generated table's files
 (several tables under one source line: in order) and lists the tables it found no such line for, to be placed
 by hand with the prose that goes with them. Tables: the layer benchmark (``mhmoe bench moe``, two runs), the
-profile, the C++ ops (three), whole tiny and paper-size models, generation. The dispatch candidates' and the
-own GEMM kernel's tables are written by their own scripts (``cpu_dispatch.py``, ``expert_gemm.py``).
+profile, the C++ ops (three), whole tiny and paper-size models, generation, the thin experts, the C++ loop's GEMMs
+on at::mm against its own kernel (two). The dispatch candidates' tables are written by ``cpu_dispatch.py``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ def throughput(files: list[dict[str, Any]], params: bool) -> str:
     return _table(head, rows)
 
 
+GEMM_KINDS = {"up": "X · W1", "dgrad": "dY · W2^T", "wgrad_x": "X^T · dH", "wgrad_h": "dH^T · dY"}
+
+
 def native_ops(data: dict[str, Any]) -> list[str]:
     """``native_ops.py``: the top-k, the expert ops with their SwiGLU passes, the GEMMs' locality."""
     topk = _table(["experts", "k", "C++ ns/row", "`torch.topk` ns/row"],
@@ -95,7 +98,10 @@ def native_ops(data: dict[str, Any]) -> list[str]:
                      f"{r['gflops_one_gemm']:.0f}",
                      f"{r['gflops_distinct_own_kernel']:.0f}" if "gflops_distinct_own_kernel" in r else "-"]
                     for r in data.get("gemm_locality", [])])
-    return [topk, loops, gemms] if data.get("gemm_locality") else [topk, loops]
+    kinds = _table(["expert shapes", "GEMM", "`at::mm` GFLOP/s", "own kernel GFLOP/s"],
+                   [[EXPERT_SHAPES[r["shape"]], label, f"{r[f'gflops_{k}_aten']:.0f}", f"{r[f'gflops_{k}_own']:.0f}"]
+                    for r in data.get("gemm_kinds", []) for k, label in GEMM_KINDS.items()])
+    return [topk, loops] + ([gemms] if data.get("gemm_locality") else []) + ([kinds] if data.get("gemm_kinds") else [])
 
 
 def generate(data: dict[str, Any]) -> str:
@@ -115,6 +121,21 @@ def thin(data: dict[str, Any]) -> str:
                    "saved MiB `chunked`"], rows)
 
 
+def expert_gemm(data: dict[str, Any]) -> str:
+    """``expert_gemm.py``: the C++ loop's GEMMs on at::mm against its own bf16 kernel, per layer or per preset."""
+    rows = data["rows"]
+    if rows and "preset" in rows[0]:  # --presets: whole training steps
+        return _table(["preset", "GEMMs", "rows aligned to", "ms/step", "vs dense"],
+                      [[r["preset"], "own kernel" if r["gemm"] == "own kernel" else "`at::mm`", str(r["align"] or "-"),
+                        f"{r['ms_per_step']:.1f}", f"{r['vs_dense']:.2f}"] for r in rows])
+    return _table(["layer", "experts", "expert (d_in × F)", "tokens", "`at::mm` ms", "own kernel ms", "speedup",
+                   "tensors bit-identical", "`auto` uses"],
+                  [[r["layer"], str(r["n_experts"]), f"{r['d_in']} × {r['d_hidden']}", f"{r['tokens']:,}",
+                    f"{r['ms_aten']:.1f}", f"{r['ms_own']:.1f}", f"{r['speedup']:.2f}",
+                    f"{r['tensors_equal']} of {r['tensors']}", "own kernel" if r["auto_uses_own"] else "`at::mm`"]
+                   for r in rows])
+
+
 def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
     """(source files, markdown table) for every table whose files exist for ``tag``, in the docs' order."""
     def name(stem: str) -> str:
@@ -130,6 +151,8 @@ def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
          lambda *f: throughput(list(f), params=True)),
         ([name("generate_throughput_tiny_{tag}")], generate),
         ([name("thin_experts_{tag}_2core")], thin),
+        ([name("expert_gemm_{tag}_2t")], expert_gemm),
+        ([name("expert_gemm_models_{tag}_2t")], expert_gemm),
     ]
     out: list[tuple[list[str], str]] = []
     for files, render in kinds:

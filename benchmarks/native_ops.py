@@ -13,7 +13,10 @@
   block of rows (the same calls on cache-hot operands), and the same FLOPs as one [E * rows, D] x [D, F] GEMM
   (a dense layer's shape). The gap between the first two is what the operands' locality costs per call. Where
   ``auto`` runs the loop's own bf16 kernel (:func:`mhmoe.moe.dispatch.native.dot_gemm`), the first way again on it
-  (``expert_matmul``; the expert loop above runs its GEMMs on it too).
+  (``expert_matmul``; the expert loop above runs its GEMMs on it too);
+- **GEMM kinds** (where the loop uses its own kernel): the loop's four kinds of bf16 expert GEMM (the
+  up-projection, the backward's product with a transposed weight, the two weight gradients), each expert with
+  its own operands, on at::mm and on the own kernel, GFLOP/s, round-robin.
 
 ::
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,6 +130,40 @@ def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> 
             "d_in": D, "d_hidden": F, **{f"gflops_{k}": flops / v / 1e6 for k, v in ms.items()}}
 
 
+def gemm_kinds(name: str, repeats: int, scale: float) -> dict:
+    """The loop's four kinds of bf16 expert GEMM, each expert with its own operands, on at::mm and on the own kernel
+    (``expert_matmul``, as the loop calls them): the up-projection X · W1, the backward's dY · W2^T (a transposed
+    weight), the weight gradients X^T · dH (at::mm: with the loop's contiguous X^T copy) and dH^T · dY."""
+    E, D, F, C = EXPERT_CASES[name]
+    C = max(2, int(C * scale))
+    gen = torch.Generator().manual_seed(0)
+    ops = native._ops()
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    w1, w2, x, h, g = rand(E, D, F), rand(E, F, D), rand(E, C, D), rand(E, C, F), rand(E, C, D)
+    out_h, out_w1, out_w2 = (torch.empty(E, C, F, dtype=torch.bfloat16), torch.empty(E, D, F, dtype=torch.bfloat16),
+                             torch.empty(E, F, D, dtype=torch.bfloat16))
+    kinds = {"up": lambda e, own: (x[e], w1[e], out_h[e]),
+             "dgrad": lambda e, own: (g[e], w2[e].t(), out_h[e]),
+             "wgrad_x": lambda e, own: (x[e].t() if own else x[e].t().contiguous(), h[e], out_w1[e]),
+             "wgrad_h": lambda e, own: (h[e].t(), g[e], out_w2[e])}
+
+    def loop(kind: str, own: bool) -> Callable[[], None]:
+        def run() -> None:
+            for e in range(E):
+                a, b, out = kinds[kind](e, own)
+                ops.expert_matmul(a, b, out, False, native.GEMM_DOT if own else native.GEMM_ATEN, own)
+        return run
+
+    fns = {f"{k}_{'own' if own else 'aten'}": loop(k, own) for k in kinds for own in (False, True)}
+    ms, _ = time_fns(fns, torch.device("cpu"), repeats)
+    flops = 2 * E * C * D * F
+    return {"shape": name, "experts": E, "rows_per_expert": C, "d_in": D, "d_hidden": F,
+            **{f"gflops_{k}": flops / v / 1e6 for k, v in ms.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the expert ops run one lane)")
@@ -146,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
              for dt in (torch.float32, torch.bfloat16)]
     result = {"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
               "gemm_locality": gemms}
+    if native.dot_gemm(torch.bfloat16, 64, 128):  # a CPU where the loop uses its own kernel
+        result["gemm_kinds"] = [gemm_kinds(n, args.repeats, args.scale) for n in EXPERT_CASES]
     print("\n\n".join(cpu_tables.native_ops(result)))  # as docs/PERFORMANCE.md shows them
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -43,3 +43,13 @@ def test_router_gemm_and_expert_gemm_buckets(moe_profile):
     assert moe_profile.classify(expert, [], dims) == "experts fwd"
     assert moe_profile.classify(expert, ["MmBackward0"], dims) == "experts dgrad"
     assert moe_profile.classify(expert, ["mhmoe::wgrad"], dims) == "experts wgrad"
+
+
+def test_the_cpp_loops_own_gemms_count_by_pass(moe_profile):
+    """The C++ loop's own bf16 GEMMs are labels with no ATen op inside: forward, input-side backward, or (inside the
+    loop's weight-gradient label) weight gradients."""
+    gemm = _event("mhmoe::dot_gemm")
+    assert moe_profile.counted(gemm.name, 300.0)
+    assert moe_profile.classify(gemm, ["mhmoe_cpu::expert_forward", "_FusedMoE"], {}) == "experts fwd"
+    assert moe_profile.classify(gemm, ["mhmoe_cpu::expert_backward", "_FusedMoEBackward"], {}) == "experts dgrad"
+    assert moe_profile.classify(gemm, ["mhmoe::wgrad", "mhmoe_cpu::expert_backward"], {}) == "experts wgrad"

@@ -58,6 +58,7 @@ struct DotGemm {
            out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
   static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
+    RECORD_FUNCTION("mhmoe::dot_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
     namespace dg = mhmoe_native::dot_gemm;
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
     thread_local std::vector<uint32_t> pa, pb;  // grown as needed, never zero-filled (every element written first)
