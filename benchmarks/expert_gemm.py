@@ -40,7 +40,7 @@ from mhmoe.runtime.cpu import cpu_info, cpu_isa  # noqa: E402
 from mhmoe.runtime.cpu_malloc import malloc_from_env  # noqa: E402
 
 ISAS = ("avx512_bf16", "amx")  # the kernel runs where the CPU has AVX-512 BF16 (auto: DOT_GEMM_ISAS)
-LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "tiny-smoe", "mh3", "mh2", "fgmoe", "smoe"]
+LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "tiny-smoe", "mh3", "mh2", "fgmoe", "smoe", "icml-h2", "icml-h4"]
 
 
 @contextmanager

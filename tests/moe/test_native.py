@@ -300,7 +300,9 @@ def test_dot_gemm_rule(monkeypatch):
     monkeypatch.setattr(native, "capability", lambda: "AVX512")
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
     assert native.dot_gemm(torch.bfloat16, 64, 128) and native.dot_gemm(torch.bfloat16, 256, 512)
-    assert not native.dot_gemm(torch.bfloat16, 768, 2048)  # SMoE's experts: at::mm as fast there
+    assert not native.dot_gemm(torch.bfloat16, 768, 2048)  # SMoE's experts: at::mm faster there
+    assert native.dot_gemm(torch.bfloat16, 192, 768) and not native.dot_gemm(torch.bfloat16, 96, 1488)  # thin, wide
+    assert not native.dot_gemm(torch.bfloat16, 48, 96)  # too few input features
     assert not native.dot_gemm(torch.float32, 64, 128)
     monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # oneDNN runs AMX tiles there
     assert not native.dot_gemm(torch.bfloat16, 64, 128)

@@ -120,7 +120,7 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'thin_wide'):
-        CpuChoice('fused', 1, -1.0, True,
+        CpuChoice('fused', 32, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
