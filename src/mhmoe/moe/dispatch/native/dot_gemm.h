@@ -3,7 +3,8 @@
 // d=768 h=3 layer: [192, 256] x [256, 512]); at::mm (oneDNN) spends a fifth of such a call outside its inner loop.
 // Here the right operand is packed once per call into K-pairs, the left one is read in place (or packed the same
 // way when it is a transposed view: the weight gradients' X^T), and a register-blocked kernel of MR rows x 32
-// columns accumulates in fp32 over the whole K, in K order, as oneDNN's does (docs/PERFORMANCE.md: "Own bf16 GEMM").
+// columns accumulates in fp32 over the whole K, in K order, as oneDNN's does (docs/PERFORMANCE.md, "The loop's own
+// bf16 GEMM").
 //
 // Layouts: an operand "in pairs" is a matrix of 32-bit elements, each the bf16 pair (x[.., 2kk], x[.., 2kk + 1]).
 // B in pairs: P[kk][n] = (b[2kk][n], b[2kk + 1][n]), N pairs per row. A in pairs: element (i, kk) at
@@ -12,6 +13,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) && !defined(__clang__) ? __GNUC__ >= 10 : __clang_major__ >= 9)
 #define MHMOE_DOT_GEMM 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,10 +23,15 @@
 
 namespace mhmoe_native::dot_gemm {
 
-// Whether this CPU runs the kernels (callers fall back to another GEMM where it does not).
+// Whether this CPU runs the kernels (callers fall back to another GEMM where it does not): AVX512_BF16 is CPUID
+// leaf 7, sub-leaf 1, EAX bit 5 (read directly: not every compiler's __builtin_cpu_supports knows it).
 inline bool supported() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool bf16 = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+    return bf16 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
   return yes;
 }
 
