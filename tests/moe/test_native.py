@@ -389,3 +389,17 @@ def test_dot_gemm_loop_matches_aten_gemms(monkeypatch, ffn, workers, align):
         for name, a, b in zip(names, [got, *g_got], [ref, *g_ref], strict=True):
             scale = b.float().abs().max().clamp_min(1e-30)
             assert (a.float() - b.float()).abs().max() <= scale * 2**-6, name
+
+
+@pytest.mark.skipif(not DOT_CPU, reason="needs a CPU with native bf16 and the C++ loop")
+def test_dot_gemm_kernel_runs_where_the_cpu_has_it():
+    """On a CPU with AVX-512 BF16 the loop's GEMM runs on its own kernel (its profiler label), not a fallback."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(16, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16)
+    out = torch.empty(16, 32, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_DOT, False)
+        native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_ATEN, False)
+    names = [ev.name for ev in prof.events()]
+    assert names.count("mhmoe::dot_gemm") == 1 and "aten::mm" in names
