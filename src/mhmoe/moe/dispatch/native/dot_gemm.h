@@ -1,6 +1,7 @@
 // bf16 GEMMs on the AVX-512 BF16 dot-product instruction (vdpbf16ps: fp32 += a0 * b0 + a1 * b1 per lane), for the
 // expert loop on CPUs that have it without AMX (AMD Zen 4 / 5, Intel Cooper Lake). One expert's GEMM is small (the
-// d=768 h=3 layer: [192, 256] x [256, 512]); at::mm (oneDNN) spends a fifth of such a call outside its inner loop.
+// d=768 h=3 layer: [192, 256] x [256, 512]); at::mm (oneDNN) spends about a sixth of such a call outside its inner
+// loop.
 // Here the right operand is packed once per call into K-pairs, the left one is read in place (or packed the same
 // way when it is a transposed view: the weight gradients' X^T), and a register-blocked kernel of MR rows x 32
 // columns accumulates in fp32 over the whole K, in K order, as oneDNN's does (docs/PERFORMANCE.md, "The loop's own
