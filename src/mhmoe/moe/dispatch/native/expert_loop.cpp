@@ -18,7 +18,6 @@
 
 #include "dot_gemm.h"
 #include "swiglu.h"
-#include "vec_io.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,9 +28,6 @@
 namespace {
 
 using at::Tensor;
-using fVec = at::vec::Vectorized<float>;
-using mhmoe_native::load2;
-using mhmoe_native::store2;
 using mhmoe_native::swiglu_backward;
 using mhmoe_native::swiglu_forward;
 
@@ -124,10 +120,12 @@ std::vector<std::vector<int64_t>> lanes_of(const std::vector<int64_t>& sizes, in
   return lanes;
 }
 
-// The expert after e in its lane, or -1.
-int64_t next_expert(const std::vector<int64_t>& lane, int64_t e) {
-  auto it = std::find(lane.begin(), lane.end(), e);
-  return it == lane.end() || it + 1 == lane.end() ? -1 : *(it + 1);
+// For every expert the one after it in its lane (the next weights that lane reads), or -1.
+std::vector<int64_t> next_in_lane(const std::vector<std::vector<int64_t>>& lanes, int64_t experts) {
+  std::vector<int64_t> next(experts, -1);
+  for (const auto& lane : lanes)
+    for (size_t i = 0; i + 1 < lane.size(); ++i) next[lane[i]] = lane[i + 1];
+  return next;
 }
 
 // f(T{}) with T the C++ type of a float32 or bfloat16 tensor (the dtypes the fused path runs natively).
@@ -207,6 +205,7 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   TORCH_CHECK(keep || !h3, "h3 is kept only with h1");
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
   const auto lanes = lanes_of(sizes, threads);
+  const auto next = next_in_lane(lanes, w1.size(0));
   // act (kept hidden buffers), or a1 and a3 (forward-only; act over a3)
   auto scratch = lane_scratch(lanes, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
@@ -230,7 +229,7 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
       Tensor y = ys.narrow(0, r0, C);
-      const int64_t after = next_expert(lanes[lane], e);
+      const int64_t after = next[e];
       matmul(y, act, w2[e], false, gemm, after < 0 ? Tensor() : w1[after]);
     });
   });
@@ -262,6 +261,7 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
     }
   }
   const auto lanes = lanes_of(sizes, threads);
+  const auto next = next_in_lane(lanes, w1.size(0));
   auto scratch = lane_scratch(lanes, sizes, glu ? 3 : 2, w1.size(2), xs.options());  // da, act (, dh3)
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -270,7 +270,7 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C), g = dy.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
       Tensor da = own[0].narrow(0, 0, C), act = own[1].narrow(0, 0, C);  // [C, F]; da becomes dh1
-      const int64_t after = next_expert(lanes[lane], e);
+      const int64_t after = next[e];
       const Tensor next_w2 = after < 0 ? Tensor() : w2[after];
       matmul(da, g, w2[e].t(), false, gemm, glu ? Tensor() : w1[e]);
       Tensor xt = transpose_x ? x.t().contiguous() : x.t();
