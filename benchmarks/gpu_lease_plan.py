@@ -107,7 +107,6 @@ def calibrate(json_path: Path = CALIBRATION_JSON) -> dict:
     Triton cache and record each compile's CPU seconds (this process plus ptxas): a cost that does not depend on
     how busy the machine is, unlike wall seconds."""
     import os
-    import platform
     import resource
     import tempfile
     import time
@@ -116,6 +115,7 @@ def calibrate(json_path: Path = CALIBRATION_JSON) -> dict:
 
     from mhmoe.moe.dispatch.triton import aot
     from mhmoe.moe.dispatch.triton.tiles import CONFIGS
+    from mhmoe.runtime.cpu import cpu_info
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="mhmoe-calibrate-")  # nothing compiled before
     seen, rows = set(), []
@@ -134,9 +134,7 @@ def calibrate(json_path: Path = CALIBRATION_JSON) -> dict:
                 rows.append({"kernel": r.kernel, "dtype": r.dtype, "tile": r.tile, "cpu_s": round(cpu, 3),
                              "wall_s": round(time.perf_counter() - w0, 3)})
                 print(rows[-1], flush=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine())
-    doc = {"triton": triton.__version__, "cpu": cpu, "target": "sm_90a", "workload": "bench_mh3",
+    doc = {"triton": triton.__version__, "cpu": cpu_info()[0], "target": "sm_90a", "workload": "bench_mh3",
            "date": time.strftime("%Y-%m-%d"), "compiles": rows}
     json_path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return doc

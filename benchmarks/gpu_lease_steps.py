@@ -66,6 +66,8 @@ def _version(name: str) -> str | None:
 
 
 def _cpu() -> str:
+    """The CPU's model name, read here rather than by mhmoe.runtime.cpu.cpu_info: this step records the machine
+    before anything of mhmoe is imported (an install that fails to import is still described)."""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):

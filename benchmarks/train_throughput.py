@@ -50,21 +50,11 @@ from mhmoe.train.parallelism import SingleProcess
 DEFAULT_PRESETS = [n for n in preset_names() if n.startswith("tiny-") and "-icml-" not in n and "-bitnet" not in n]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "processor\t: arm")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def machine_info(devices: list[str]) -> dict[str, Any]:
-    from mhmoe.runtime.cpu import ISA_NAMES, cpu_isa
+    from mhmoe.runtime.cpu import ISA_NAMES, cpu_info, cpu_isa
 
     info: dict[str, Any] = {
-        "cpu": cpu_model(),
+        "cpu": cpu_info()[0],
         "isa": ISA_NAMES[cpu_isa()],
         "loadavg": list(os.getloadavg()),
         "cpu_count": os.cpu_count(),

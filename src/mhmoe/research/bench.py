@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -111,18 +110,10 @@ class GemmFloor(torch.nn.Module):
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device)}
-    from mhmoe.runtime.cpu import ISA_NAMES, cpu_isa
+    from mhmoe.runtime.cpu import ISA_NAMES, cpu_info, cpu_isa
 
+    cpu = cpu_info()[0]
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device)}
     info["isa"] = ISA_NAMES[cpu_isa()]  # the CPU's matrix ISA (AMX, AVX-512 BF16, AVX-512, AVX2): the CPU table's key
     from mhmoe.runtime.cpu_malloc import ENV as MALLOC_ENV
 
