@@ -300,7 +300,8 @@ def test_dot_gemm_rule(monkeypatch):
     monkeypatch.setattr(native, "capability", lambda: "AVX512")
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
     assert native.dot_gemm(torch.bfloat16, 64, 128) and native.dot_gemm(torch.bfloat16, 256, 512)
-    assert not native.dot_gemm(torch.bfloat16, 768, 2048)  # SMoE's experts: at::mm faster there
+    assert native.dot_gemm(torch.bfloat16, 768, 2048)  # SMoE's experts, the largest measured
+    assert not native.dot_gemm(torch.bfloat16, 1024, 4096)  # larger: not measured, at::mm
     assert native.dot_gemm(torch.bfloat16, 192, 768) and not native.dot_gemm(torch.bfloat16, 96, 1488)  # thin, wide
     assert not native.dot_gemm(torch.bfloat16, 48, 96)  # too few input features
     assert not native.dot_gemm(torch.float32, 64, 128)
@@ -327,7 +328,8 @@ def _operand(kind, rows, cols, gen):
 
 @pytest.mark.skipif(native.expert_ops(torch.bfloat16) is None, reason="C++ CPU expert loop not built here")
 @pytest.mark.parametrize("M, K, N", [(1, 2, 32), (7, 64, 32), (8, 64, 64), (9, 130, 96), (33, 5, 64), (200, 37, 32),
-                                     (17, 256, 512), (3, 1, 32), (12, 64, 40), (16, 34, 48)])
+                                     (17, 256, 512), (3, 1, 32), (12, 64, 40), (16, 34, 48),
+                                     (20, 1030, 160), (9, 2049, 96)])  # B in several column panels (L2_B)
 @pytest.mark.parametrize("a_kind, b_kind", [("rows", "rows"), ("rows", "transposed"), ("transposed", "rows"),
                                             ("strided", "rows"), ("strided", "transposed"),
                                             ("transposed", "transposed")])
@@ -335,7 +337,8 @@ def _operand(kind, rows, cols, gen):
 def test_dot_gemm_kernel_against_fp64(M, K, N, a_kind, b_kind, add, stream):
     """The loop's GEMM on its own kernel (gemm=1; where the shape, the layout or the CPU does not fit it, at::mm) is
     the bf16 rounding of the exact product (plus the old output with ``add``, rounded once), every layout the loop
-    passes: odd K (padded with a zero pair), M and N tails, transposed and strided operands, non-temporal stores."""
+    passes: odd K (padded with a zero pair), M and N tails, transposed and strided operands, non-temporal stores, a
+    right operand too large for one packed panel (packed and used in column panels, the last one narrower)."""
     gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
     a, b = _operand(a_kind, M, K, gen), _operand(b_kind, K, N, gen)
     old = _bf16(M, N, gen=gen)

@@ -70,9 +70,9 @@ ISA_FLAGS = {
 DTYPES = (torch.float32, torch.bfloat16)
 # bf16 experts whose weight matrices have at most DOT_GEMM_WEIGHTS elements, at least DOT_GEMM_MIN_IN input features
 # and at most DOT_GEMM_MAX_RATIO times as many hidden ones run their GEMMs on the loop's own AVX-512 BF16 kernel
-# (dot_gemm.h) on the ISAs listed; larger experts and thin, wide ones on at::mm (oneDNN), faster there
-# (docs/PERFORMANCE.md)
-DOT_GEMM_WEIGHTS = 1 << 20
+# (dot_gemm.h) on the ISAs listed; thin, wide experts on at::mm (oneDNN), faster there, and larger ones too (not
+# measured) (docs/PERFORMANCE.md)
+DOT_GEMM_WEIGHTS = 1 << 21
 DOT_GEMM_MIN_IN = 64
 DOT_GEMM_MAX_RATIO = 4
 DOT_GEMM_ISAS = ("avx512_bf16",)
@@ -164,11 +164,11 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
 
 def dot_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> bool:
     """Whether the C++ loop runs an expert's GEMMs on its own bf16 kernel (``dot_gemm.h``: the AVX-512 BF16
-    dot-product instruction, the right operand packed per call, fp32 sums in K order) instead of ``at::mm``: bf16,
-    weight matrices of at most ``DOT_GEMM_WEIGHTS`` elements (every tiny preset's experts and the d=768 h=2, h=3
-    and fine-grained layers': 1.03-1.29x as fast fwd+bwd as on at::mm; SMoE's 768 x 2048 experts ran 0.95x, so
-    at::mm there), not thin and wide (``d_in >= DOT_GEMM_MIN_IN`` and ``d_hidden <= DOT_GEMM_MAX_RATIO * d_in``:
-    the parameter-parity layers' 96 x 1488 to 16 x 8928 experts ran 0.76-1.01x), on the ISAs of ``DOT_GEMM_ISAS``
+    dot-product instruction, the right operand packed per call in L2-sized column panels, fp32 sums in K order)
+    instead of ``at::mm``: bf16, weight matrices of at most ``DOT_GEMM_WEIGHTS`` elements (the largest measured:
+    SMoE's 768 x 2048; every tiny preset's experts and the d=768 layers' ran 1.02-1.32x as fast fwd+bwd as on
+    at::mm), not thin and wide (``d_in >= DOT_GEMM_MIN_IN`` and ``d_hidden <= DOT_GEMM_MAX_RATIO * d_in``: the
+    parameter-parity layers' 96 x 1488 to 16 x 8928 experts ran 0.87-0.96x), on the ISAs of ``DOT_GEMM_ISAS``
     (native bf16 without AMX, whose tiles oneDNN uses) with an AVX-512 build."""
     return (dtype == torch.bfloat16 and d_in * d_hidden <= DOT_GEMM_WEIGHTS and d_in >= DOT_GEMM_MIN_IN
             and d_hidden <= DOT_GEMM_MAX_RATIO * d_in and capability() == "AVX512" and cpu_isa() in DOT_GEMM_ISAS)

@@ -39,6 +39,7 @@ inline bool supported() {
 constexpr int64_t NB = 32;      // columns of one kernel call (two vectors of 16 fp32 accumulators)
 constexpr int64_t MR = 8;       // rows of one kernel call (the switch in gemm has a case for each count)
 constexpr int64_t L2_A = 1 << 18;  // bytes of A one column sweep keeps in cache (a quarter of a 1 MiB L2)
+constexpr int64_t L2_B = 1 << 18;  // bytes of packed B per column panel (callers pack and use B panel by panel)
 
 // Rows k, k + 1 of src [K, N] (row stride ld, bf16) into P [ceil(K / 2)][N] pairs; an odd K's last pair takes a zero.
 MHMOE_BF16_TARGET inline void pack_row_pairs(const uint16_t* src, int64_t ld, int64_t K, int64_t N, uint32_t* P) {

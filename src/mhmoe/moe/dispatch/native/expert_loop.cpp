@@ -57,25 +57,33 @@ struct DotGemm {
     RECORD_FUNCTION("mhmoe::dot_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
     namespace dg = mhmoe_native::dot_gemm;
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
+    // B is packed and used one column panel at a time, each small enough to stay in L2 from its packing to its last
+    // use (a whole [768, 2048] weight packed at once would be read back from L3 or memory)
+    const int64_t NP = std::min(N, std::max<int64_t>(dg::NB, dg::L2_B / (KK * 4) / dg::NB * dg::NB));
     thread_local std::vector<uint32_t> pa, pb;  // grown as needed, never zero-filled (every element written first)
-    if ((int64_t)pb.size() < KK * N) pb.resize(KK * N);
+    if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
     const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
-    if (b.stride(1) == 1)
-      dg::pack_row_pairs(bp, b.stride(0), K, N, pb.data());
-    else
-      dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp), b.stride(1) / 2, KK, N, pb.data());
     const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
     const bool hint = next.defined() && next.is_contiguous();
-    const void* pf = hint ? next.const_data_ptr() : nullptr;
+    const auto* pf = hint ? static_cast<const char*>(next.const_data_ptr()) : nullptr;
     const int64_t pf_bytes = hint ? next.numel() * next.element_size() : 0;
+    const uint32_t* A = reinterpret_cast<const uint32_t*>(ap);
+    int64_t a_row = a.stride(0) / 2, a_k = 1;
     if (a.stride(0) == 1) {  // a = t.t() for a row-major t [K, M]: t's rows in pairs, element (i, kk) at kk * M + i
       if ((int64_t)pa.size() < KK * M) pa.resize(KK * M);
       dg::pack_row_pairs(ap, a.stride(1), K, M, pa.data());
-      dg::gemm(pa.data(), 1, M, pb.data(), M, N, KK, o, N, add, pf, pf_bytes, stream);
-    } else {
-      dg::gemm(reinterpret_cast<const uint32_t*>(ap), a.stride(0) / 2, 1, pb.data(), M, N, KK, o, N, add, pf, pf_bytes,
-               stream);
+      A = pa.data(), a_row = 1, a_k = M;
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += NP) {
+      const int64_t np = std::min(NP, N - n0);
+      if (b.stride(1) == 1)
+        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
+      else
+        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KK, np,
+                           pb.data());
+      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
+      dg::gemm(A, a_row, a_k, pb.data(), M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
     }
   }
 };
