@@ -406,3 +406,25 @@ def test_dot_gemm_kernel_runs_where_the_cpu_has_it():
         native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_ATEN, False)
     names = [ev.name for ev in prof.events()]
     assert names.count("mhmoe::dot_gemm") == 1 and "aten::mm" in names
+
+
+@pytest.mark.skipif(not DOT_CPU, reason="needs a CPU with native bf16 and the C++ loop")
+@pytest.mark.parametrize("b_kind", ["rows", "transposed"])
+def test_dot_gemm_spreads_its_panels_over_threads_outside_the_lanes(b_kind):
+    """Called outside a parallel region (the loop with one lane, or the op itself), the kernel splits its column
+    panels over the intra-op threads: the same bits on 1, 2 and 3 threads (each column is one thread's sum)."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = _operand("rows", 300, 768, gen), _operand(b_kind, 768, 2048, gen)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.empty(300, 2048, dtype=torch.bfloat16)
+            native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_DOT, False)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    exact = a.double() @ b.double()
+    assert ((outs[0].double() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2**-7).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

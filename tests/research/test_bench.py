@@ -187,3 +187,24 @@ def test_batched_mm_prediction_bounds_its_measured_peak():
         want = peer_predicted_bytes("hf_batched_mm", 768, cfg.experts, cfg.d_expert, cfg.top_k, cfg.heads, tokens,
                                     torch.bfloat16, backward=pass_ == "fwd_bwd")
         assert 0.6 * want <= peak <= 1.25 * want, (pass_, peak / 2**20, want / 2**20)
+
+
+def test_bench_moe_set_applies_moe_fields_to_every_layer(tmp_path, capsys, monkeypatch):
+    """``--set FIELD=VALUE``: every benchmarked layer built with it, recorded in the JSON and under the table; the
+    fields the benchmark sets itself, unknown fields and bad values are one-line errors (exit 2)."""
+    from mhmoe.research import bench
+
+    built = []
+    real = bench.build_ffn_layer
+    monkeypatch.setattr(bench, "build_ffn_layer", lambda d, cfg: built.append(cfg) or real(d, cfg))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "moe", "--configs", "mh2", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
+                 "--no-loop", "--peers", "--set", "router_dtype=model", "--set", "router=sigmoid",
+                 "--json", str(out)]) == 0
+    assert built and all(c.router_dtype == "model" and c.router == "sigmoid" and c.heads == 2 for c in built)
+    assert json.loads(out.read_text())["overrides"] == {"router": "sigmoid", "router_dtype": "model"}
+    assert "every layer with router=sigmoid, router_dtype=model" in capsys.readouterr().out
+    for bad in (["n_experts=4"], ["router_dtyp=model"], ["router_dtype=fp16"], ["router_dtype"]):
+        assert main(["bench", "moe", "--configs", "smoe", "--set", *bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -41,13 +41,16 @@ def _add_bench(sub) -> None:
                    help="peer MoE layers to time (st_moe, moe, hf_eager, hf_grouped_mm, hf_batched_mm; default: on "
                    "CUDA the transformers block's three backends, on CPU every installed peer but hf_eager); "
                    "--peers with no name skips them")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                   help="a MoEConfig field for every layer, e.g. --set router_dtype=model --set router=sigmoid "
+                   "(repeatable; default: the configurations as they are; recorded in the JSON)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (--json alone: to "
                    "stdout instead of the table; default: the table only)")
     p.set_defaults(func=_run_bench)
 
 
 def _run_bench(args) -> int:
-    from mhmoe.research.bench import CONFIGS, DTYPES, format_rows, run_benchmark
+    from mhmoe.research.bench import CONFIGS, DTYPES, format_rows, moe_overrides, run_benchmark
     from mhmoe.runtime.device import resolve_device
 
     device = resolve_device(args.device, "--device")
@@ -56,6 +59,7 @@ def _run_bench(args) -> int:
     if bad or args.tokens < 1 or args.repeats < 1:
         raise ConfigError("bench", bad or (args.tokens, args.repeats),
                           f"--configs from {list(CONFIGS)}, --dtypes from {list(DTYPES)}, --tokens/--repeats >= 1")
+    overrides = moe_overrides(args.overrides)
     from mhmoe.research.bench_peers import default_peers, installed_peers
 
     device = resolve_device(args.device, "--device")
@@ -67,7 +71,7 @@ def _run_bench(args) -> int:
         warn_slow_bf16(device.type, "bfloat16")
     result = run_benchmark(args.configs, args.dtypes, args.tokens, args.repeats, str(device),
                            with_loop=not args.no_loop, peers=tuple(peers), input_grad=not args.no_input_grad,
-                           progress=lambda m: print(f"[bench] {m}", file=sys.stderr))
+                           progress=lambda m: print(f"[bench] {m}", file=sys.stderr), overrides=overrides)
     if args.json == "-":
         print(json.dumps(result, indent=2))
         return 0

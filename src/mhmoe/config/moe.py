@@ -18,6 +18,7 @@ from mhmoe.errors import ConfigError
 # the options of the string fields; check_types accepts exactly a Literal's values
 FFNType = Literal["swiglu", "relu"]
 Router = Literal["softmax", "xmoe", "noisy", "sigmoid", "expert_choice"]
+RouterDtype = Literal["float32", "model"]
 XMoEGate = Literal["softmax", "sigmoid"]
 XMoEReading = Literal["paper", "code"]
 Residual = Literal["block", "subtoken"]
@@ -51,6 +52,12 @@ class MoEConfig:
     d_shared: int = 0  # 0 -> d_expert
     # ---- router -------------------------------------------------------------------------------
     router: Router = "softmax"  # softmax | xmoe | noisy | sigmoid | expert_choice
+    # the router's score GEMM (x W^T): float32 = on fp32 copies of its input and weight, whatever the model's
+    # dtype (Switch Transformer's selective precision); model = in the dtype the model's other linear layers
+    # compute in (bf16 under bf16 autocast or with bf16 weights; scores rounded to it, as a bf16 linear layer's
+    # output is), as Mixtral's and DeepSeek-V3's code and Megatron-LM's default. Softmax / sigmoid, top-k,
+    # combine weights and losses run in fp32 either way. No difference in an fp32 model.
+    router_dtype: RouterDtype = "float32"
     # combine weights of a token's top-k slots: None (auto) renormalises them to sum to one when
     # top_k > 1 (GShard / X-MoE top-2 gating; DeepSeek-V3 for the sigmoid gate) and keeps the raw
     # gate value for top-1 (Switch); true / false force one reading (false: raw gate values)

@@ -1,4 +1,5 @@
-"""Routers: map S (sub-)tokens to expert choices. All router math runs in fp32.
+"""Routers: map S (sub-)tokens to expert choices. All router math runs in fp32 but the score GEMM, which runs in
+fp32 too (``MoEConfig.router_dtype="float32"``, the default) or in the model's compute dtype (``"model"``).
 
 Shape legend: S routed (sub-)tokens (= B*T*H for MH-MoE), D_in router input width (d_model / H),
 E experts, K slots per token (top-k; expert-choice uses K = E, one slot per expert).
@@ -57,6 +58,12 @@ def _top_k(scores: Tensor, k: int) -> Tensor:
     return topk_indices(scores, k)
 
 
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """[S, N] fp32 scores ``x @ weight.t()`` computed in x's dtype (the router's GEMM dtype: :meth:`Router.gemm_input`).
+    x: [S, D]; weight: [N, D] (any float dtype: cast to x's)."""
+    return (x @ weight.to(x.dtype).t()).float()
+
+
 def _counts(experts: Tensor, valid: Tensor, n_experts: int) -> Tensor:
     """[E] number of valid (token, slot) pairs per expert (no host sync)."""
     return expert_counts(experts, n_experts, valid)
@@ -82,12 +89,22 @@ class Router(nn.Module):
         self.bias_update_rate = cfg.bias_update_rate
         self.aux_free = cfg.aux_free_bias
         self.impl = cfg.impl  # "auto" / "triton": the fused GPU router where it applies (see _fused)
+        self.router_dtype = cfg.router_dtype  # the score GEMM's dtype: float32 | model (see gemm_input)
         # DeepSeek-V3 selection bias: a buffer (not trained by the optimizer), updated from counts.
         self.register_buffer("selection_bias", torch.zeros(cfg.n_experts), persistent=cfg.aux_free_bias)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # pragma: no cover - abstract
-        """Return (logits [S,E], gate [S,E], probs [S,E]) in fp32."""
+        """Return (logits [S,E], gate [S,E], probs [S,E]) in fp32; x: [S, D_in] from :meth:`gemm_input`."""
         raise NotImplementedError
+
+    def gemm_input(self, x: Tensor) -> Tensor:
+        """x [S, D_in] in the dtype the score GEMM runs in (called where autocast is still as the caller set it):
+        fp32 (``router_dtype="float32"``), or the model's compute dtype (``"model"``): autocast's where it is on,
+        else x's own."""
+        if self.router_dtype == "float32":
+            return x.float()
+        dev = x.device.type
+        return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
 
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> RouterOutput:
         """x: [S, D_in] (any float dtype); token_mask: [S] bool or None (all routed)."""
@@ -97,8 +114,9 @@ class Router(nn.Module):
         fused = self._fused(x, token_mask)
         if fused is not None:
             return fused
+        xg = self.gemm_input(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits, gate, probs = self.scores(x.float())
+            logits, gate, probs = self.scores(xg)
             choice = gate + self.selection_bias if self.aux_free else gate
             experts = _top_k(choice, self.top_k)
             weights = torch.gather(gate, 1, experts)
@@ -113,8 +131,9 @@ class Router(nn.Module):
         """The GPU path: the same routing from one fused Triton kernel per block of tokens
         (:mod:`mhmoe.moe.dispatch.triton.router`, exact to fp32 rounding), where it applies: a softmax or
         sigmoid gate (``fused_gate``), ``impl`` auto or triton, CUDA inputs (CPU only under the Triton
-        interpreter with ``impl="triton"``: tests). None: the reference path below runs."""
-        if self.fused_gate is None or self.impl not in ("auto", "triton") or not (
+        interpreter with ``impl="triton"``: tests), fp32 scores (``router_dtype="float32"``). None: the reference
+        path below runs."""
+        if self.fused_gate is None or self.router_dtype != "float32" or self.impl not in ("auto", "triton") or not (
                 x.is_cuda or (x.device.type == "cpu" and self.impl == "triton")):
             return None
         try:
@@ -151,7 +170,7 @@ class SoftmaxRouter(Router):
         nn.init.normal_(self.weight, std=cfg.init_std)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = x @ self.weight.float().t()
+        logits = _linear(x, self.weight)
         probs = logits.softmax(-1)
         return logits, probs, probs
 
@@ -165,7 +184,7 @@ class SigmoidRouter(SoftmaxRouter):
     fused_gate = "sigmoid"
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = x @ self.weight.float().t()
+        logits = _linear(x, self.weight)
         gate = torch.sigmoid(logits)
         return logits, gate, gate / gate.sum(-1, keepdim=True)
 
@@ -183,9 +202,9 @@ class NoisyTopKRouter(Router):
         nn.init.normal_(self.weight, std=cfg.init_std)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = x @ self.weight.float().t()
+        logits = _linear(x, self.weight)
         if self.training and self.noise_std > 0:
-            noise_scale = F.softplus(x @ self.noise_weight.float().t())
+            noise_scale = F.softplus(_linear(x, self.noise_weight))
             logits = logits + self.noise_std * torch.randn_like(logits) * noise_scale
         probs = logits.softmax(-1)
         return logits, probs, probs
@@ -223,7 +242,7 @@ class XMoERouter(Router):
         nn.init.orthogonal_(self.expert_embed, gain=0.32)
 
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        z = x @ self.proj.weight.float().t()
+        z = _linear(x, self.proj.weight)  # the low-dimensional scores below are fp32 in either router_dtype
         if self.code:
             if self.training:  # keep the stored embeddings at norm 1.5, as the code does (no host sync)
                 with torch.no_grad():
@@ -257,8 +276,9 @@ class XMoERouter(Router):
         S = x.shape[0]
         if token_mask is None:
             token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
+        xg = self.gemm_input(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits, gate, probs = self.scores(x.float())
+            logits, gate, probs = self.scores(xg)
             top, experts = torch.topk(gate, 2, dim=-1)
             weights = top / top.sum(-1, keepdim=True).clamp_min(torch.finfo(top.dtype).eps)
             keep2 = (2 * weights[:, 1]).clamp_max(1.0)  # probability of keeping the second expert
@@ -292,8 +312,9 @@ class ExpertChoiceRouter(SoftmaxRouter):
         if token_mask is None:
             token_mask = torch.ones(S, dtype=torch.bool, device=x.device)
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        xg = self.gemm_input(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits, probs, _ = self.scores(x.float())
+            logits, probs, _ = self.scores(xg)
             cap = min(n_real, expert_capacity(n_real, self.top_k, E, cf))
             masked = probs.masked_fill(~token_mask[:, None], -1.0)  # padding is never picked
             experts = torch.arange(E, device=x.device).expand(S, E)

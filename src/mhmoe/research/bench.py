@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -55,11 +55,39 @@ class BenchConfig:
     d_expert: int
     top_k: int
     heads: int
+    overrides: tuple[tuple[str, Any], ...] = ()  # other MoEConfig fields (mhmoe bench moe --set)
 
     def moe_config(self, impl: str) -> MoEConfig:
         hm = self.heads > 1
         return MoEConfig(n_experts=self.experts, top_k=self.top_k, d_expert=self.d_expert, heads=self.heads,
-                         head_layer=hm, merge_layer=hm, impl=impl, balance_loss_weight=1e-2)
+                         head_layer=hm, merge_layer=hm, impl=impl, balance_loss_weight=1e-2, **dict(self.overrides))
+
+
+#: MoEConfig fields the benchmark itself sets (the configurations' shapes and the timed paths)
+FIXED_FIELDS = ("kind", "n_experts", "top_k", "d_expert", "heads", "head_layer", "merge_layer", "impl")
+
+
+def moe_overrides(assignments: list[str]) -> dict[str, Any]:
+    """``["router_dtype=model", ...]`` -> ``{"router_dtype": "model", ...}``: MoEConfig fields for every benchmarked
+    layer (values read as YAML scalars; checked as MoEConfig checks them). ConfigError (naming the field) for a field
+    the benchmark sets itself, an unknown one or a bad value."""
+    from mhmoe.errors import ConfigError, did_you_mean
+    from mhmoe.runtime.bounded import BoundedLoadError, load_yaml
+
+    names = [f.name for f in fields(MoEConfig) if f.name not in FIXED_FIELDS]
+    out: dict[str, Any] = {}
+    for item in assignments:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in names:
+            raise ConfigError("--set", item, "FIELD=VALUE with a MoEConfig field other than " + ", ".join(FIXED_FIELDS)
+                              + " (set by --configs and the paths)", did_you_mean(key, names))
+        try:
+            out[key] = load_yaml(raw, f"--set {key}")
+        except BoundedLoadError:
+            raise ConfigError(key, raw, "a YAML scalar, e.g. model, 0.01, true") from None
+    MoEConfig(**out)  # the field checks (types, options, ranges), one line naming the field
+    return out
 
 
 CONFIGS = {
@@ -394,8 +422,10 @@ def _summarise(row: dict[str, Any], layers: dict, refs: dict, errors: dict[str, 
 
 def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: int, device: str = "cpu",
                   with_loop: bool = True, progress: Callable[[str], None] | None = None,
-                  peers: tuple[str, ...] = (), input_grad: bool = True) -> dict:
-    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.research.bench_peers.installed_peers`."""
+                  peers: tuple[str, ...] = (), input_grad: bool = True,
+                  overrides: dict[str, Any] | None = None) -> dict:
+    """Every config x dtype x pass; ``peers``: names from :func:`mhmoe.research.bench_peers.installed_peers`;
+    ``overrides``: MoEConfig fields for every layer (:func:`moe_overrides`; recorded in the result)."""
     dev = torch.device(device)
     rows: list[dict] = []
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -403,7 +433,8 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
         for dt in dtypes:
             if progress:
                 progress(f"{name} {dt}")
-            rows += bench_config(CONFIGS[name], tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
+            cfg = replace(CONFIGS[name], overrides=tuple(sorted((overrides or {}).items())))
+            rows += bench_config(cfg, tokens, DTYPES[dt], dev, repeats, with_loop=with_loop,
                                  peers=tuple(peers), input_grad=input_grad)
     smoe = {(r["dtype"], r["pass"]): r for r in rows if r["config"] == "smoe"}
     for r in rows:
@@ -419,7 +450,7 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
         from mhmoe.research.bench_peers import peer_info
 
         machine["peers"] = peer_info()
-    return {"machine": machine, "rows": rows}
+    return {"machine": machine, "overrides": dict(sorted((overrides or {}).items())), "rows": rows}
 
 
 def _pred_range(row: dict, key: str) -> str:
@@ -459,4 +490,6 @@ def format_rows(result: dict) -> str:
                  + ("; predicted = the traffic model (mhmoe.research.traffic) on "
                     f"{next(r['pred_device'] for r in rows if 'pred_device' in r)}, without-L2 bound to "
                     "with-L2 bound (unmeasured assumptions)" if pred else ""))
+    if result.get("overrides"):
+        lines.append("every layer with " + ", ".join(f"{k}={v}" for k, v in result["overrides"].items()))
     return "\n".join(lines)

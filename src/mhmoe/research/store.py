@@ -38,6 +38,9 @@ from mhmoe.runtime.reading import read_json, read_text, regular_or_missing, syml
 BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device", "parallel",
                "ep", "cache_dir"}
 IGNORED = ("name", "model.vocab_size")
+#: fields added to the config after run records were first written, with the value every older run had: left out
+#: of the identity at that value, so that the keys and records of older runs stay valid
+ADDED_FIELDS = {"model.moe.router_dtype": "float32"}
 RECORD_FORMAT = 1
 TRAIN_CURVE_POINTS = 400  # the record keeps at most this many training-loss points
 
@@ -52,10 +55,11 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 def identity(run: RunConfig) -> dict[str, Any]:
-    """What a run computes: its flat config without :data:`BOOKKEEPING` and :data:`IGNORED` fields (tuples as
-    lists, so that it equals its JSON round trip)."""
+    """What a run computes: its flat config without :data:`BOOKKEEPING` and :data:`IGNORED` fields, nor
+    :data:`ADDED_FIELDS` at their old value (tuples as lists, so that it equals its JSON round trip)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(flat(run.to_dict()).items())
-            if k.split(".")[-1] not in BOOKKEEPING and k not in IGNORED}
+            if k.split(".")[-1] not in BOOKKEEPING and k not in IGNORED
+            and not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
 
 
 def run_key(run: RunConfig) -> str:

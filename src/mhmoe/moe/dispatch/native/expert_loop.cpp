@@ -58,10 +58,12 @@ struct DotGemm {
     namespace dg = mhmoe_native::dot_gemm;
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
     // B is packed and used one column panel at a time, each small enough to stay in L2 from its packing to its last
-    // use (a whole [768, 2048] weight packed at once would be read back from L3 or memory)
-    const int64_t NP = std::min(N, std::max<int64_t>(dg::NB, dg::L2_B / (KK * 4) / dg::NB * dg::NB));
-    thread_local std::vector<uint32_t> pa, pb;  // grown as needed, never zero-filled (every element written first)
-    if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
+    // use (a whole [768, 2048] weight packed at once would be read back from L3 or memory). Called outside a
+    // parallel region (the loop with one lane), the panels are spread over the intra-op threads, at least one each.
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    int64_t NP = std::min(N, std::max<int64_t>(dg::NB, dg::L2_B / (KK * 4) / dg::NB * dg::NB));
+    if (threads > 1) NP = std::min(NP, std::max<int64_t>(dg::NB, (N / threads + dg::NB - 1) / dg::NB * dg::NB));
+    thread_local std::vector<uint32_t> pa, pb;  // per thread, grown as needed
     const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
     const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
@@ -75,16 +77,24 @@ struct DotGemm {
       dg::pack_row_pairs(ap, a.stride(1), K, M, pa.data());
       A = pa.data(), a_row = 1, a_k = M;
     }
-    for (int64_t n0 = 0; n0 < N; n0 += NP) {
-      const int64_t np = std::min(NP, N - n0);
-      if (b.stride(1) == 1)
-        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
-      else
-        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KK, np,
-                           pb.data());
-      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
-      dg::gemm(A, a_row, a_k, pb.data(), M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
-    }
+    const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1): packed into this thread's pb
+      if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
+      for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
+        const int64_t np = std::min(NP, N - n0);
+        if (b.stride(1) == 1)
+          dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
+        else
+          dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KK, np,
+                             pb.data());
+        const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
+        dg::gemm(A, a_row, a_k, pb.data(), M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
+      }
+    };
+    const int64_t count = (N + NP - 1) / NP;
+    if (threads > 1 && count > 1)
+      at::parallel_for(0, count, 1, panels);
+    else
+      panels(0, count);
   }
 };
 #endif
