@@ -99,7 +99,7 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('chunked', 32, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'few'):
-        CpuChoice('fused', 1, -1.0, True,
+        CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json, cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
@@ -111,7 +111,7 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'few'):
-        CpuChoice('fused', 16, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_avx512bf16_2t_tuned.json, cpu_dispatch_avx512bf16_tiny_2t_tuned.json'),
     ('avx512_bf16', 'bfloat16', 'many'):
         CpuChoice('fused', 1, -1.0, True,
