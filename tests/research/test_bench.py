@@ -200,10 +200,12 @@ def test_bench_moe_set_applies_moe_fields_to_every_layer(tmp_path, capsys, monke
     out = tmp_path / "bench.json"
     assert main(["bench", "moe", "--configs", "mh2", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
                  "--no-loop", "--peers", "--set", "router_dtype=model", "--set", "router=sigmoid",
-                 "--json", str(out)]) == 0
-    assert built and all(c.router_dtype == "model" and c.router == "sigmoid" and c.heads == 2 for c in built)
-    assert json.loads(out.read_text())["overrides"] == {"router": "sigmoid", "router_dtype": "model"}
-    assert "every layer with router=sigmoid, router_dtype=model" in capsys.readouterr().out
+                 "--set", "balance_loss_weight=0", "--json", str(out)]) == 0
+    assert built and all(c.router_dtype == "model" and c.router == "sigmoid" and c.heads == 2
+                         and c.balance_loss_weight == 0 for c in built)
+    assert json.loads(out.read_text())["overrides"] == {"balance_loss_weight": 0, "router": "sigmoid",
+                                                        "router_dtype": "model"}
+    assert "every layer with balance_loss_weight=0, router=sigmoid, router_dtype=model" in capsys.readouterr().out
     for bad in (["n_experts=4"], ["router_dtyp=model"], ["router_dtype=fp16"], ["router_dtype"]):
         assert main(["bench", "moe", "--configs", "smoe", "--set", *bad]) == 2
         err = capsys.readouterr().err

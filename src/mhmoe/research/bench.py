@@ -59,8 +59,9 @@ class BenchConfig:
 
     def moe_config(self, impl: str) -> MoEConfig:
         hm = self.heads > 1
-        return MoEConfig(n_experts=self.experts, top_k=self.top_k, d_expert=self.d_expert, heads=self.heads,
-                         head_layer=hm, merge_layer=hm, impl=impl, balance_loss_weight=1e-2, **dict(self.overrides))
+        return MoEConfig(**{"n_experts": self.experts, "top_k": self.top_k, "d_expert": self.d_expert,
+                            "heads": self.heads, "head_layer": hm, "merge_layer": hm, "impl": impl,
+                            "balance_loss_weight": 1e-2, **dict(self.overrides)})
 
 
 #: MoEConfig fields the benchmark itself sets (the configurations' shapes and the timed paths)
