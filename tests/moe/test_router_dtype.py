@@ -89,10 +89,21 @@ def test_model_dtype_gradients_reach_the_fp32_router_weight():
     assert g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 and x.grad is not None
 
 
-def test_the_fused_gpu_router_is_left_to_the_float32_reading():
-    r = _router("softmax", "model")
-    r.impl = "triton"  # would run the fused kernel (interpreter) on CPU tensors for the float32 reading
-    assert r._fused(torch.randn(4, 32), torch.ones(4, dtype=torch.bool)) is None
+def test_the_fused_gpu_router_is_left_to_the_float32_reading(monkeypatch):
+    """The fused kernel computes exact fp32 scores: the float32 router reaches it, the model-dtype one does not."""
+    pytest.importorskip("triton")
+    from mhmoe.moe.dispatch.triton import router as fused
+
+    calls = []
+    monkeypatch.setattr(fused, "supported", lambda *a: True)
+    monkeypatch.setattr(fused, "fused_route", lambda *a: calls.append(a) or (None,) * 5)
+    x, mask = torch.randn(4, 32), torch.ones(4, dtype=torch.bool)
+    for dtype in ("float32", "model"):
+        r = _router("softmax", dtype)
+        r.impl = "triton"  # on CPU tensors: the fused path where it applies (the Triton interpreter in tests)
+        out = r._fused(x, mask)
+        assert (out is not None) == (dtype == "float32")
+    assert len(calls) == 1
 
 
 def test_router_dtype_is_validated():

@@ -31,7 +31,7 @@ using at::Tensor;
 using mhmoe_native::swiglu_backward;
 using mhmoe_native::swiglu_forward;
 
-// Where an expert's GEMMs run (decided in Python: native.gemm_kernel).
+// Where an expert's GEMMs run (decided in Python: native.dot_gemm).
 enum Gemm : int64_t { kAten = 0, kDot = 1 };
 
 #ifdef MHMOE_DOT_GEMM
@@ -255,8 +255,8 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
 
 // Backward of expert_forward from the rows' output gradients dy [R, D]: returns the weight gradients
 // {gw1, gw2, gw3} ({gw1, gw2} for ReLU) and writes the rows' input gradients into dxs [R, D] when given.
-// In bf16 the left operand of the W1/W3 weight gradients is a contiguous transposed copy of the rows:
-// oneDNN's bf16 GEMM with a transposed left operand ran at about half speed.
+// In bf16 on at::mm the left operand of the W1/W3 weight gradients is a contiguous transposed copy of the rows:
+// oneDNN's bf16 GEMM with a transposed left operand ran at about half speed (the own kernel packs them itself).
 std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const std::optional<Tensor>& h3,
                                     const Tensor& dy, const Tensor& w1, const Tensor& w2,
                                     const std::optional<Tensor>& w3, std::optional<Tensor> dxs,
