@@ -20,6 +20,7 @@
 #include "swiglu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -116,34 +117,25 @@ void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm
     at::mm_out(out, a, b);
 }
 
-// Whole experts per lane, longest first onto the least-loaded lane (blocks of one expert stay on one thread,
-// so nothing races); with one lane the experts run in order and every GEMM uses all intra-op threads.
-std::vector<std::vector<int64_t>> lanes_of(const std::vector<int64_t>& sizes, int64_t threads) {
+// The non-empty experts, longest first, and the lanes (threads) that run them: each lane takes the next expert of
+// `order` when it finishes one, so the lanes finish within about the last (shortest) expert of each other whatever
+// each expert costs (a static split by row counts left one thread waiting for the other in the backward, ~8 ms of
+// the d=768 h=3 layer's bf16 step on 2 threads; the four d=768 layers 1.00-1.02x as fast, one round-robin A/B).
+// With one lane the experts run in order and every GEMM uses all intra-op threads. An expert's numbers do not
+// depend on its lane.
+struct Schedule {
   std::vector<int64_t> order;
-  for (int64_t e = 0; e < (int64_t)sizes.size(); ++e)
-    if (sizes[e] > 0) order.push_back(e);
-  threads = std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)order.size()));
-  std::vector<std::vector<int64_t>> lanes(threads);
-  if (threads == 1) {
-    lanes[0] = order;
-    return lanes;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sizes[a] > sizes[b]; });
-  std::vector<int64_t> load(threads, 0);
-  for (int64_t e : order) {
-    auto i = std::min_element(load.begin(), load.end()) - load.begin();
-    lanes[i].push_back(e);
-    load[i] += sizes[e];
-  }
-  return lanes;
-}
+  int64_t lanes = 1;
+};
 
-// For every expert the one after it in its lane (the next weights that lane reads), or -1.
-std::vector<int64_t> next_in_lane(const std::vector<std::vector<int64_t>>& lanes, int64_t experts) {
-  std::vector<int64_t> next(experts, -1);
-  for (const auto& lane : lanes)
-    for (size_t i = 0; i + 1 < lane.size(); ++i) next[lane[i]] = lane[i + 1];
-  return next;
+Schedule schedule_of(const std::vector<int64_t>& sizes, int64_t threads) {
+  Schedule s;
+  for (int64_t e = 0; e < (int64_t)sizes.size(); ++e)
+    if (sizes[e] > 0) s.order.push_back(e);
+  s.lanes = std::max<int64_t>(1, std::min<int64_t>(threads, (int64_t)s.order.size()));
+  if (s.lanes > 1)
+    std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) { return sizes[a] > sizes[b]; });
+  return s;
 }
 
 // f(T{}) with T the C++ type of a float32 or bfloat16 tensor (the dtypes the fused path runs natively).
@@ -157,18 +149,21 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
-// work(e, lane) for every expert of every lane: lanes in parallel over the intra-op threads, the experts of a lane
-// in order on one thread.
+// work(e, lane, after) for every expert of the schedule, lanes in parallel over the intra-op threads; `after` is
+// the expert the lane most likely runs next (its weights are prefetched during this one's GEMMs), or -1.
 template <typename F>
-void run_lanes(const std::vector<std::vector<int64_t>>& lanes, const F& work) {
-  if (lanes.size() == 1) {
-    for (int64_t e : lanes[0]) work(e, 0);
+void run_lanes(const Schedule& s, const F& work) {
+  const int64_t n = (int64_t)s.order.size();
+  const auto after = [&](int64_t i) { return i + s.lanes < n ? s.order[i + s.lanes] : int64_t{-1}; };
+  if (s.lanes == 1) {
+    for (int64_t i = 0; i < n; ++i) work(s.order[i], 0, after(i));
     return;
   }
-  at::parallel_for(0, (int64_t)lanes.size(), 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, s.lanes, 1, [&](int64_t begin, int64_t end) {
     at::NoGradGuard no_grad;
     for (int64_t l = begin; l < end; ++l)
-      for (int64_t e : lanes[l]) work(e, l);
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) work(s.order[i], l, after(i));
   });
 }
 
@@ -176,15 +171,13 @@ void run_lanes(const std::vector<std::vector<int64_t>>& lanes, const F& work) {
 // allocated here, in the calling thread. Allocated per expert inside the intra-op threads, the temporaries of thin,
 // wide experts (hundreds of MB each) came from glibc's per-thread arenas, which unmap such blocks when freed:
 // every call page-faulted them again, even with MHMOE_MALLOC=tuned (docs/PERFORMANCE.md, "Thin experts").
-std::vector<std::vector<Tensor>> lane_scratch(const std::vector<std::vector<int64_t>>& lanes,
-                                              const std::vector<int64_t>& sizes, int64_t count, int64_t F,
-                                              const at::TensorOptions& options) {
-  std::vector<std::vector<Tensor>> out(lanes.size());
-  for (size_t l = 0; l < lanes.size(); ++l) {
-    int64_t rows = 0;
-    for (int64_t e : lanes[l]) rows = std::max(rows, sizes[e]);
-    for (int64_t i = 0; i < count; ++i) out[l].push_back(at::empty({rows, F}, options));
-  }
+std::vector<std::vector<Tensor>> lane_scratch(const Schedule& s, const std::vector<int64_t>& sizes, int64_t count,
+                                              int64_t F, const at::TensorOptions& options) {
+  int64_t rows = 0;  // any lane may run the largest expert
+  for (int64_t e : s.order) rows = std::max(rows, sizes[e]);
+  std::vector<std::vector<Tensor>> out(s.lanes);
+  for (auto& lane : out)
+    for (int64_t i = 0; i < count; ++i) lane.push_back(at::empty({rows, F}, options));
   return out;
 }
 
@@ -222,13 +215,12 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   if (keep) check_hidden(xs, w1, w3, *h1, h3);
   TORCH_CHECK(keep || !h3, "h3 is kept only with h1");
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
-  const auto lanes = lanes_of(sizes, threads);
-  const auto next = next_in_lane(lanes, w1.size(0));
+  const auto schedule = schedule_of(sizes, threads);
   // act (kept hidden buffers), or a1 and a3 (forward-only; act over a3)
-  auto scratch = lane_scratch(lanes, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
+  auto scratch = lane_scratch(schedule, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(lanes, [&](int64_t e, int64_t lane) {
+    run_lanes(schedule, [&](int64_t e, int64_t lane, int64_t after) {
       const int64_t r0 = starts[e], C = sizes[e];
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C);
@@ -247,7 +239,6 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
       Tensor y = ys.narrow(0, r0, C);
-      const int64_t after = next[e];
       matmul(y, act, w2[e], false, gemm, after < 0 ? Tensor() : w1[after]);
     });
   });
@@ -278,17 +269,15 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
       if (glu) gw3[e].zero_();
     }
   }
-  const auto lanes = lanes_of(sizes, threads);
-  const auto next = next_in_lane(lanes, w1.size(0));
-  auto scratch = lane_scratch(lanes, sizes, glu ? 3 : 2, w1.size(2), xs.options());  // da, act (, dh3)
+  const auto schedule = schedule_of(sizes, threads);
+  auto scratch = lane_scratch(schedule, sizes, glu ? 3 : 2, w1.size(2), xs.options());  // da, act (, dh3)
   dispatch_dtype(xs.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    run_lanes(lanes, [&](int64_t e, int64_t lane) {
+    run_lanes(schedule, [&](int64_t e, int64_t lane, int64_t after) {
       const int64_t r0 = starts[e], C = sizes[e];
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C), g = dy.narrow(0, r0, C), a1 = h1.narrow(0, r0, C);
       Tensor da = own[0].narrow(0, 0, C), act = own[1].narrow(0, 0, C);  // [C, F]; da becomes dh1
-      const int64_t after = next[e];
       const Tensor next_w2 = after < 0 ? Tensor() : w2[after];
       matmul(da, g, w2[e].t(), false, gemm, glu ? Tensor() : w1[e]);
       Tensor xt = transpose_x ? x.t().contiguous() : x.t();
