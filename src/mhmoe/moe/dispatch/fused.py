@@ -34,6 +34,7 @@ Correctness: tested against the per-expert loop oracle (outputs and all gradient
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -90,11 +91,11 @@ def _expert_pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _run_blocks(blocks: list[tuple[int, slice]], work: Callable[[int, slice], None], workers: int) -> None:
-    """Call ``work(e, rows)`` for every block. With ``workers`` > 1, whole experts are spread over
-    ``workers`` threads (longest first onto the least-loaded thread), each running its experts'
-    GEMMs single-threaded: on CPU many small GEMMs scale better across experts than inside each
-    GEMM. Blocks of one expert stay on one thread, so their weight-gradient accumulation never races;
-    every block writes disjoint rows of the output buffers."""
+    """Call ``work(e, rows)`` for every block. With ``workers`` > 1, whole experts run on ``workers`` threads that
+    take them from one queue, longest first (as the C++ loop's lanes), each running its experts' GEMMs
+    single-threaded: on CPU many small GEMMs scale better across experts than inside each GEMM. Blocks of one
+    expert stay on one thread, so their weight-gradient accumulation never races; every block writes disjoint
+    rows of the output buffers."""
     if workers <= 1 or len({e for e, _ in blocks}) < 2:
         for e, r in blocks:
             work(e, r)
@@ -103,19 +104,21 @@ def _run_blocks(blocks: list[tuple[int, slice]], work: Callable[[int, slice], No
     for e, r in blocks:
         per_expert.setdefault(e, []).append(r)
     rows = {e: sum(r.stop - r.start for r in rs) for e, rs in per_expert.items()}
-    lanes: list[list[tuple[int, slice]]] = [[] for _ in range(workers)]
-    loads = [0] * workers
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for e in sorted(rows, key=rows.__getitem__, reverse=True):
-        i = loads.index(min(loads))
-        lanes[i] += [(e, r) for r in per_expert[e]]
-        loads[i] += rows[e]
+        todo.put(e)
 
-    def lane(items: list[tuple[int, slice]]) -> None:
+    def lane() -> None:
         with torch.no_grad():  # grad mode is per thread; the buffers are written with out=
-            for e, r in items:
-                work(e, r)
+            while True:
+                try:
+                    e = todo.get_nowait()
+                except queue.Empty:
+                    return
+                for r in per_expert[e]:
+                    work(e, r)
 
-    for f in [_expert_pool(workers).submit(lane, items) for items in lanes if items]:
+    for f in [_expert_pool(workers).submit(lane) for _ in range(min(workers, len(rows)))]:
         f.result()
 
 
