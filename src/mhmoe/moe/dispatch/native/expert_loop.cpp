@@ -168,9 +168,10 @@ void run_lanes(const Schedule& s, const F& work) {
 }
 
 // `count` scratch blocks [rows, F] per lane (rows: the largest expert's, which any lane may take) for the
-// per-expert [C, F] temporaries, allocated here, in the calling thread. Allocated per expert inside the intra-op threads, the temporaries of thin,
-// wide experts (hundreds of MB each) came from glibc's per-thread arenas, which unmap such blocks when freed:
-// every call page-faulted them again, even with MHMOE_MALLOC=tuned (docs/PERFORMANCE.md, "Thin experts").
+// per-expert [C, F] temporaries, allocated here, in the calling thread. Allocated per expert inside the intra-op
+// threads, the temporaries of thin, wide experts (hundreds of MB each) came from glibc's per-thread arenas, which
+// unmap such blocks when freed: every call page-faulted them again, even with MHMOE_MALLOC=tuned
+// (docs/PERFORMANCE.md, "Thin experts").
 std::vector<std::vector<Tensor>> lane_scratch(const Schedule& s, const std::vector<int64_t>& sizes, int64_t count,
                                               int64_t F, const at::TensorOptions& options) {
   int64_t rows = 0;
