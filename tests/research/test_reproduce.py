@@ -187,6 +187,29 @@ def test_rows_selects_a_subset_of_the_table(tmp_path, monkeypatch, capsys):
     assert "--rows" in capsys.readouterr().err
 
 
+def test_first_seed_trains_and_reports_a_fresh_set_of_seeds(tmp_path, monkeypatch, capsys):
+    out, calls = tmp_path / "suite", []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    rows = ["SMoE", "MH-MoE (head=3)"]
+    kjv = ["data.corpus=kjv"]  # a corpus every install has
+    reproduce.run_suite("decisive", out, seeds=2, only=rows, overrides=kjv, progress=False)
+    assert [c[1] for c in calls] == [1337, 1337, 1338, 1338]
+    res = reproduce.run_suite("decisive", out, seeds=3, first_seed=2, only=rows, overrides=kjv, progress=False)
+    assert [c[1] for c in calls[4:]] == [1339, 1339, 1340, 1340, 1341, 1341]  # seeds 2-4, seed-major
+    assert [r["seed"] for r in res] == [2, 2, 3, 3, 4, 4]  # the report holds the fresh seeds only
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == 3 and summary["rows"][0]["train_seeds"] == [1339, 1340, 1341]
+    assert "Seeds per row: 3." in (out / "results.md").read_text()
+    argv = ["reproduce", "decisive", "--out", str(out), "--data", "kjv", "--report-only"]
+    argv += [a for r in rows for a in ("--rows", r)]
+    assert main(argv + ["--seeds", "2"]) == 0  # seeds 0-1 again, from the store
+    assert json.loads((out / "summary.json").read_text())["rows"][0]["train_seeds"] == [1337, 1338]
+    assert main(argv + ["--seeds", "1", "--first-seed", "4"]) == 0 and len(calls) == 10
+    assert json.loads((out / "summary.json").read_text())["rows"][0]["train_seeds"] == [1341]
+    assert main(argv + ["--first-seed", "-1"]) == 2
+    assert "--first-seed" in capsys.readouterr().err
+
+
 def _model_key(run):
     """What a row computes: the model config without its name."""
     return repr({k: v for k, v in run.to_dict().items() if k != "name"})

@@ -26,6 +26,9 @@ def _add_reproduce(sub) -> None:
     p.add_argument("--seeds", type=int, help="seeds per row, shared by the rows (seed k trains with train.seed + k, "
                    "so rows pair by seed; default: 5 for the rows of the suite's primary comparisons, 3 for the "
                    "others)")
+    p.add_argument("--first-seed", type=int, default=0, metavar="K", help="the first seed index: the rows train "
+                   "and report seeds K .. K+N-1 (N: --seeds), e.g. a fresh set of seeds for a confirmatory run "
+                   "(default: 0)")
     p.add_argument("--tokens", type=int, help="training token budget per run (default: the preset's)")
     p.add_argument("--minutes", type=float, help="wall-clock budget of the whole suite instead of --tokens: training, "
                    "evaluation, checkpoints and the calibration itself; every run gets the same tokens, calibrated "
@@ -59,7 +62,7 @@ def _run_reproduce(args: argparse.Namespace) -> int:
         [f"data.corpus={args.data}"] if args.data else []) + list(args.set or [])
     run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=overrides,
               progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes,
-              store=args.store, records=args.records)
+              store=args.store, records=args.records, first_seed=args.first_seed)
     print(read_results_md(out))  # a symlink, a FIFO, an oversized file: one line naming it, exit 2
     return 0
 

@@ -144,7 +144,7 @@ def write_suite_report(runs: list[dict], out: str | os.PathLike[str], title: str
     out = Path(out)
     timed = timing["tokens_per_s"] if timing else None
     table = markdown_table(runs, timed)
-    n_seeds = max(r["seed"] for r in runs) + 1
+    n_seeds = len({r["seed"] for r in runs})
     note = f"Seeds: {n_seeds}" + (" (mean ± std over seeds)." if n_seeds > 1 else ".")
     note += " " + (timing_note if timed else RUN_AVERAGE_NOTE)
     atomic_write(out / RESULTS_MD, f"# {title}\n\n{table}\n\n{note}\n")

@@ -126,11 +126,13 @@ def _resolver(name: str, built: dict[str, RunConfig],
 def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None = None, tokens: int | None = None,
               overrides: list[str] | None = None, progress: bool = True, train_missing: bool = True,
               only: list[str] | None = None, minutes: float | None = None, store: str | Path | None = None,
-              records: str | Path | None = None) -> list[dict]:
+              records: str | Path | None = None, first_seed: int = 0) -> list[dict]:
     """Train (or reuse) every row x seed of suite ``name``; write the suite's outputs into ``out``.
 
-    ``seeds``: per row (default: the suite's, :func:`seeds_per_row`). ``train_missing=False`` trains nothing
-    and reports the runs that already finished (an error if none). ``only``: the labels of the rows to
+    ``seeds``: per row (default: the suite's, :func:`seeds_per_row`), the seed indices ``first_seed`` ..
+    ``first_seed + seeds - 1`` (seed k trains with the row's ``train.seed + k``: a fresh set of seeds, e.g. a
+    confirmatory run after an exploratory one, starts past the seeds already trained). ``train_missing=False``
+    trains nothing and reports the runs that already finished (an error if none). ``only``: the labels of the rows to
     train and report. ``minutes``: instead of ``tokens``, the wall-clock budget of the whole suite
     (:mod:`mhmoe.research.budget`, ``OUT/budget.json``). ``store`` / ``records``: the run store's folder
     (default ``OUT/../store``) and its records' folder (default ``STORE/records``).
@@ -140,6 +142,8 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
     out, overrides = Path(out), list(overrides or [])
     rows = select_rows(name, only)
     n_seeds = seeds_per_row(name, rows, seeds)
+    if first_seed < 0:
+        raise ConfigError("--first-seed", first_seed, "an integer >= 0")
     built = {row.label: row.build(scale) for row in rows}
     resolve = _resolver(name, built, overrides)
     runs0 = {label: resolve(label, None) for label in built}  # checks every override before anything trains
@@ -151,8 +155,8 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
 
         budget = suite_budget(out, name, runs0, n_seeds, minutes, lambda label, t: resolve(label, t))
         tokens = _capped(name, budget)
-    plan = [Planned(row, k, resolve(row.label, tokens, k)) for k in range(max(n_seeds.values()))  # seed-major
-            for row in rows if k < n_seeds[row.label]]
+    plan = [Planned(row, first_seed + i, resolve(row.label, tokens, first_seed + i))  # seed-major
+            for i in range(max(n_seeds.values())) for row in rows if i < n_seeds[row.label]]
     runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing,
                      [p.run for p in plan])
     if train_missing:
