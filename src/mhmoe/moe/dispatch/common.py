@@ -11,7 +11,18 @@ import torch
 from torch import Tensor
 
 from mhmoe.moe.capacity import expert_counts
+from mhmoe.moe.dispatch import native
 from mhmoe.moe.routers import RouterOutput
+
+
+def group_keys(key: Tensor, n_bins: int) -> tuple[Tensor, Tensor]:
+    """``key`` [N] int64 in [0, n_bins) grouped by value: ``order`` [N] (``torch.argsort(key, stable=True)``: the
+    positions of each value in their order) and ``counts`` [n_bins] int64; on a CPU one counting sort in C++
+    (:func:`mhmoe.moe.dispatch.native.group_rows`), the same numbers."""
+    grouped = native.group_rows(key, n_bins)
+    if grouped is not None:
+        return grouped
+    return torch.argsort(key, stable=True), expert_counts(key, n_bins)
 
 
 def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -22,8 +33,8 @@ def sort_slots(experts: Tensor, valid: Tensor, n_experts: int) -> tuple[Tensor, 
     device-to-host copy; the per-expert loop needs the block sizes).
     """
     key = torch.where(valid, experts, n_experts).reshape(-1)
-    counts = expert_counts(key, n_experts + 1)[:n_experts]
-    order = torch.argsort(key, stable=True)
+    order, counts = group_keys(key, n_experts + 1)
+    counts = counts[:n_experts]
     counts_list = counts.tolist()
     return order[: sum(counts_list)], counts, counts_list
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mhmoe.moe.capacity import expert_counts
+from mhmoe.moe.dispatch.common import group_keys
 
 
 def round_up(n: int, align: int) -> int:
@@ -81,8 +81,8 @@ def row_layout(experts: Tensor, valid: Tensor, n_experts: int, align: int = 1,
     S, K = experts.shape
     dev = experts.device
     key = torch.where(valid, experts, n_experts).reshape(-1)
-    order = torch.argsort(key, stable=True)
-    counts = expert_counts(key, n_experts + 1)[:n_experts].tolist()
+    order, counts_t = group_keys(key, n_experts + 1)
+    counts = counts_t[:n_experts].tolist()
     batched = max_batch_padding == float("inf") or batch_padding(counts, align) <= max_batch_padding
     sizes = block_sizes(counts, align, batched)
     starts = [0, *itertools.accumulate(sizes[:-1])]

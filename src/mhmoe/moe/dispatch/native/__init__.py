@@ -1,5 +1,6 @@
-"""The fused path's CPU expert loop, the router's top-k, the LM loss's rows and generation's expert pairs in C++
-(``expert_loop.cpp``, ``router_topk.cpp``, ``token_xent.cpp``, ``gathered_ffn.cpp``), compiled on first use.
+"""The fused path's CPU expert loop, the router's top-k, the slots' grouping by expert, the LM loss's rows and
+generation's expert pairs in C++ (``expert_loop.cpp``, ``router_topk.cpp``, ``group_rows.cpp``, ``token_xent.cpp``,
+``gathered_ffn.cpp``), compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
 same order, or for small bf16 experts on CPUs with AVX-512 BF16 and no AMX its own GEMM kernel (:func:`dot_gemm`)
@@ -27,14 +28,18 @@ sort (115 vs 880 ns per row of 96 experts, top-3, one thread; k <= 8). Rows wher
 choice or the order to ``torch.topk``'s tie handling are recomputed by ``torch.topk``, so the experts are
 ``torch.topk``'s on every row, with or without the extension.
 
+The slots' grouping by expert (:func:`group_rows`): a stable counting sort of the slots by expert and the slots per
+expert, the numbers ``torch.argsort(key, stable=True)`` and a bincount give (ATen's CPU sort runs
+``std::stable_sort`` below 32,768 keys).
+
 The LM loss's rows (:func:`token_xent_`, used by :func:`mhmoe.model.lm_loss.chunked_token_loss`): each row's
 cross-entropy and its logit gradient in one pass per step over the row, in place of the logits.
 
 Generation's pairs (:func:`gathered_ffn`, used by :mod:`mhmoe.moe.dispatch.gathered`): each (token, slot) pair's
 FFN read straight from its expert's weights instead of gathering weight copies.
 
-The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``token_xent_`` /
-``gathered_ffn`` (schemas in the .cpp files).
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``group_rows`` /
+``token_xent_`` / ``gathered_ffn`` (schemas in the .cpp files).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from mhmoe.runtime.cpu import cpu_isa
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp")]
+           for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp", "group_rows.cpp")]
 # included by the sources; part of the build's key
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
@@ -193,6 +198,18 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     if rows.numel():
         ids.index_copy_(0, rows, torch.topk(scores.index_select(0, rows), k, dim=-1).indices)
     return ids
+
+
+def group_rows(key: Tensor, n_bins: int) -> tuple[Tensor, Tensor] | None:
+    """``(torch.argsort(key, stable=True), counts)`` from the C++ op (``group_rows.cpp``): key [N] int64 in
+    [0, n_bins) -> the positions of ``key`` grouped by value, in order within a value, and [n_bins] int64 counts.
+    None where the op does not run (off a CPU, other dtypes, under ``torch.compile`` or a dispatch mode,
+    ``MHMOE_NATIVE=0``, no extension): the caller sorts with torch."""
+    if (torch.compiler.is_compiling() or key.device.type != "cpu" or key.dtype != torch.long or key.dim() != 1
+            or not enabled() or is_in_torch_dispatch_mode()):
+        return None
+    ops = _ops()
+    return None if ops is None else ops.group_rows(key, n_bins)
 
 
 def token_xent_(logits: Tensor, targets: Tensor, grad: bool) -> Tensor | None:
