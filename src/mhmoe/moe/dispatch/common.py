@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from mhmoe.moe.capacity import expert_counts
-from mhmoe.moe.dispatch import native
+from mhmoe.moe.dispatch.native import group_rows
 from mhmoe.moe.routers import RouterOutput
 
 
@@ -19,7 +19,7 @@ def group_keys(key: Tensor, n_bins: int) -> tuple[Tensor, Tensor]:
     """``key`` [N] int64 in [0, n_bins) grouped by value: ``order`` [N] (``torch.argsort(key, stable=True)``: the
     positions of each value in their order) and ``counts`` [n_bins] int64; on a CPU one counting sort in C++
     (:func:`mhmoe.moe.dispatch.native.group_rows`), the same numbers."""
-    grouped = native.group_rows(key, n_bins)
+    grouped = group_rows(key, n_bins)
     if grouped is not None:
         return grouped
     return torch.argsort(key, stable=True), expert_counts(key, n_bins)
