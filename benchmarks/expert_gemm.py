@@ -47,14 +47,15 @@ LAYERS = ["tiny-mh3", "tiny-mh2", "tiny-fgmoe", "tiny-smoe", "mh3", "mh2", "fgmo
 def own_kernel(on: bool, align: int | None = None) -> Iterator[None]:
     """Within the block the fused path's C++ loop uses its own kernel (on) or at::mm (off) for every layer, and
     with ``align`` rows aligned to it instead of the dispatch table's alignment."""
-    rule, table = fused.dot_gemm, fused.cpu_choice
-    fused.dot_gemm = lambda *args: on  # type: ignore[assignment]
+    rule, table = fused.expert_gemm, fused.cpu_choice
+    kernel = native.own_gemm() if on else native.GEMM_ATEN
+    fused.expert_gemm = lambda *args: kernel  # type: ignore[assignment]
     if align:
         fused.cpu_choice = lambda *a, **k: replace(table(*a, **k), align=align)  # type: ignore[assignment]
     try:
         yield
     finally:
-        fused.dot_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
+        fused.expert_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -86,7 +87,7 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
     experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))  # the routed experts
     return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
             "tokens": tokens or 2048, "ms_aten": ms[False], "ms_own": ms[True], "speedup": ms[False] / ms[True],
-            "auto_uses_own": native.dot_gemm(torch.bfloat16, experts.d_in, experts.d_hidden),
+            "auto_uses_own": native.expert_gemm(torch.bfloat16, experts.d_in, experts.d_hidden) != native.GEMM_ATEN,
             "tensors_equal": sum(equal), "tensors": len(equal)}
 
 

@@ -12,7 +12,7 @@
   (what the expert loop sees: E weights that do not stay in cache), every expert reusing one weight and one
   block of rows (the same calls on cache-hot operands), and the same FLOPs as one [E * rows, D] x [D, F] GEMM
   (a dense layer's shape). The gap between the first two is what the operands' locality costs per call. Where
-  ``auto`` runs the loop's own bf16 kernel (:func:`mhmoe.moe.dispatch.native.dot_gemm`), the first way again on it
+  ``auto`` runs the loop's own bf16 kernel (:func:`mhmoe.moe.dispatch.native.expert_gemm`), the first way again on it
   (``expert_matmul``; the expert loop above runs its GEMMs on it too);
 - **GEMM kinds** (where the loop uses its own kernel): the loop's four kinds of bf16 expert GEMM (the
   up-projection, the backward's product with a transposed weight, the two weight gradients), each expert with
@@ -72,8 +72,7 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
     h1, h3, ys, dxs = (torch.empty(R, F, dtype=dtype), torch.empty(R, F, dtype=dtype),
                        torch.empty(R, D, dtype=dtype), torch.empty(R, D, dtype=dtype))
     starts, sizes = [e * C for e in range(E)], [C] * E
-    own = native.dot_gemm(dtype, D, F)  # the GEMMs on the loop's own kernel, as `auto` runs them
-    gemm = native.GEMM_DOT if own else native.GEMM_ATEN
+    gemm = native.expert_gemm(dtype, D, F)  # the GEMMs where `auto` runs them (the loop's own kernel or at::mm)
 
     def fwd() -> None:
         ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, starts, sizes, 1, gemm)
@@ -93,7 +92,7 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
             passes[ev.name] += ev.cpu_time_total / repeats  # us per call of the op
     flops = 2 * R * D * F * 3
     return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "d_in": D, "d_hidden": F,
-            "rows": R, "own_gemm": own, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
+            "rows": R, "own_gemm": gemm != native.GEMM_ATEN, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
             "gflops_forward": flops / ms["forward"] / 1e6, "gflops_backward": 2 * flops / ms["backward"] / 1e6,
             "ns_per_element_swiglu_forward": passes[LABELS[0]] * 1e3 / (R * F),
             "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F)}
@@ -116,12 +115,13 @@ def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> 
             torch.mm(xs[0], w[0], out=out[e])
 
     fns = {"distinct": each_own, "shared": all_one, "one_gemm": lambda: torch.mm(flat_x, w[0], out=flat_out)}
-    if native.dot_gemm(dtype, D, F):  # the loop's own kernel on the same calls as each_own
+    own = native.expert_gemm(dtype, D, F)
+    if own != native.GEMM_ATEN:  # the loop's own kernel on the same calls as each_own
         ops = native._ops()
 
         def each_own_kernel() -> None:
             for e in range(E):
-                ops.expert_matmul(xs[e], w[e], out[e], False, native.GEMM_DOT)
+                ops.expert_matmul(xs[e], w[e], out[e], False, own)
 
         fns["distinct_own_kernel"] = each_own_kernel
     ms, _ = time_fns(fns, torch.device("cpu"), repeats)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
              for dt in (torch.float32, torch.bfloat16)]
     result = {"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
               "gemm_locality": gemms}
-    if native.dot_gemm(torch.bfloat16, 64, 128):  # a CPU where the loop uses its own kernel
+    if native.expert_gemm(torch.bfloat16, 64, 128) != native.GEMM_ATEN:  # a CPU where the loop uses its own kernel
         result["gemm_kinds"] = [gemm_kinds(n, args.repeats, args.scale) for n in EXPERT_CASES]
     print("\n\n".join(cpu_tables.native_ops(result)))  # as docs/PERFORMANCE.md shows them
     if args.json:

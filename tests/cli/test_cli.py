@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mhmoe.cli import main
 from mhmoe.config.data import DataConfig
 from mhmoe.config.model import ModelConfig
 from mhmoe.config.moe import MoEConfig
+from mhmoe.config.presets import get_preset
 from mhmoe.config.run import RunConfig
 from mhmoe.config.train import TrainConfig
 
@@ -282,6 +284,18 @@ def test_compare_two_tiny_presets(setup, tmp_path, capsys):
     # the same suite with another config is refused (one line), not silently reused
     assert main(argv + ["--lr", "0.5"]) == 2
     assert "train.lr" in _one_line_error(capsys, "mhmoe compare: error:")
+    # --first-seed: seed indices K.. beside the finished seed 0, trained with train.seed + K, reported alone
+    assert main(argv + ["--first-seed", "1", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert {(r["label"], r["seed"]) for r in runs} == {("tiny-dense", 1), ("tiny-mh3", 1)}
+    for r in runs:
+        assert Path(r["run_dir"]) == tmp_path / "cmp" / r["label"] / "seed1"
+        seed = yaml.safe_load((Path(r["run_dir"]) / "config.yaml").read_text())["train"]["seed"]
+        assert seed == get_preset(r["label"]).train.seed + 1
+    saved = json.loads((tmp_path / "cmp" / "results.json").read_text())
+    assert saved["first_seed"] == 1 and set(saved["timed_throughput"]["tokens_per_s"]) == {"tiny-dense", "tiny-mh3"}
+    assert main(argv + ["--first-seed", "-1"]) == 2
+    assert "--first-seed" in _one_line_error(capsys, "mhmoe compare: error:")
 
 
 # ---- the throughput benchmark script --------------------------------------------------------------------------------
@@ -344,13 +358,14 @@ def test_expert_gemm_benchmark_smoke(tmp_path, capsys):
     if native.expert_ops(torch.bfloat16) is None or native.capability() != "AVX512" or cpu_isa() not in bench.ISAS:
         assert bench.main(["--layers", "tiny-mh3", "--rounds", "1"]) == 2  # says why, no traceback
         pytest.skip("the C++ loop's own bf16 kernel needs an AVX-512 build and AVX-512 BF16")
-    rule = fused.dot_gemm
+    rule = fused.expert_gemm
     out = tmp_path / "eg.json"
     assert bench.main(["--layers", "tiny-mh3", "--rounds", "1", "--json", str(out)]) == 0
-    assert fused.dot_gemm is rule  # the rule is back after the benchmark
+    assert fused.expert_gemm is rule  # the rule is back after the benchmark
     (row,) = json.loads(out.read_text())["rows"]
     assert row["layer"] == "tiny-mh3" and row["d_in"] == 64 and row["ms_aten"] > 0 and row["ms_own"] > 0
-    assert row["tensors"] == 10 and row["auto_uses_own"] == native.dot_gemm(torch.bfloat16, 64, row["d_hidden"])
+    assert row["tensors"] == 10 and row["auto_uses_own"] == (
+        native.expert_gemm(torch.bfloat16, 64, row["d_hidden"]) != native.GEMM_ATEN)
 
 
 def test_native_ops_benchmark_smoke(tmp_path, capsys):

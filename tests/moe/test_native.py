@@ -324,21 +324,30 @@ needs_dot_gemm = pytest.mark.skipif(
     or native.cpu_isa() not in native.DOT_GEMM_ISAS, reason="the loop's bf16 GEMM kernel is not used on this CPU")
 
 
-def test_dot_gemm_rule(monkeypatch):
-    """bf16, weight matrices of at most DOT_GEMM_WEIGHTS elements, an AVX-512 build, a measured ISA."""
+def test_expert_gemm_rule(monkeypatch):
+    """bf16, weight matrices of at most DOT_GEMM_WEIGHTS elements (AMX_GEMM_WEIGHTS on AMX), an AVX-512 build, a
+    measured ISA: the dot-product kernel on AVX-512 BF16, the tiles on AMX, at::mm elsewhere."""
+    dot, amx, aten = native.GEMM_DOT, native.GEMM_AMX, native.GEMM_ATEN
+    rule = native.expert_gemm
     monkeypatch.setattr(native, "capability", lambda: "AVX512")
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
-    assert native.dot_gemm(torch.bfloat16, 64, 128) and native.dot_gemm(torch.bfloat16, 256, 512)
-    assert native.dot_gemm(torch.bfloat16, 768, 2048)  # SMoE's experts, the largest measured
-    assert not native.dot_gemm(torch.bfloat16, 1024, 4096)  # larger: not measured, at::mm
-    assert native.dot_gemm(torch.bfloat16, 192, 768) and not native.dot_gemm(torch.bfloat16, 96, 1488)  # thin, wide
-    assert not native.dot_gemm(torch.bfloat16, 48, 96)  # too few input features
-    assert not native.dot_gemm(torch.float32, 64, 128)
-    monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # oneDNN runs AMX tiles there
-    assert not native.dot_gemm(torch.bfloat16, 64, 128)
+    assert rule(torch.bfloat16, 64, 128) == dot and rule(torch.bfloat16, 256, 512) == dot
+    assert rule(torch.bfloat16, 768, 2048) == dot  # SMoE's experts, the largest measured
+    assert rule(torch.bfloat16, 1024, 4096) == aten  # larger: not measured, at::mm
+    assert rule(torch.bfloat16, 192, 768) == dot and rule(torch.bfloat16, 96, 1488) == aten  # thin, wide
+    assert rule(torch.bfloat16, 48, 96) == aten  # too few input features
+    assert rule(torch.float32, 64, 128) == aten
+    monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # the tiles, for the h=2 and h=3 layers' experts
+    assert rule(torch.bfloat16, 64, 128) == amx and rule(torch.bfloat16, 256, 512) == amx
+    assert rule(torch.bfloat16, 384, 768) == amx and rule(torch.bfloat16, 768, 512) == amx
+    assert rule(torch.bfloat16, 768, 2048) == aten  # SMoE's: oneDNN's AMX kernels as fast
+    assert rule(torch.bfloat16, 96, 1488) == aten and rule(torch.float32, 64, 128) == aten
+    for isa in ("avx512", "avx2", "other"):
+        monkeypatch.setattr(native, "cpu_isa", lambda isa=isa: isa)
+        assert rule(torch.bfloat16, 64, 128) == aten
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
     monkeypatch.setattr(native, "capability", lambda: "AVX2")  # an AVX2 build
-    assert not native.dot_gemm(torch.bfloat16, 64, 128)
+    assert rule(torch.bfloat16, 64, 128) == aten
 
 
 def _bf16(*shape, gen, scale=1.0):
@@ -363,17 +372,19 @@ def _operand(kind, rows, cols, gen):
                                             ("strided", "rows"), ("strided", "transposed"),
                                             ("transposed", "transposed")])
 @pytest.mark.parametrize("add, stream", [(False, False), (True, False), (False, True)])
-def test_dot_gemm_kernel_against_fp64(M, K, N, a_kind, b_kind, add, stream):
-    """The loop's GEMM on its own kernel (gemm=1; where the shape, the layout or the CPU does not fit it, at::mm) is
-    the bf16 rounding of the exact product (plus the old output with ``add``, rounded once), every layout the loop
-    passes: odd K (padded with a zero pair), M and N tails, transposed and strided operands, non-temporal stores, a
-    right operand too large for one packed panel (packed and used in column panels, the last one narrower)."""
+@pytest.mark.parametrize("gemm", [native.GEMM_DOT, native.GEMM_AMX])
+def test_dot_gemm_kernel_against_fp64(M, K, N, a_kind, b_kind, add, stream, gemm):
+    """The loop's GEMM on its own kernels (gemm=1: the AVX-512 BF16 dot product, 2: AMX tiles; where the shape, the
+    layout or the CPU does not fit one, at::mm) is the bf16 rounding of the exact product (plus the old output with
+    ``add``, rounded once), every layout the loop passes: odd K (padded with a zero pair; for AMX, K not a multiple
+    of 32, zero-padded), M and N tails, transposed and strided operands, non-temporal stores, a right operand too
+    large for one packed panel (packed and used in column panels, the last one narrower)."""
     gen = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
     a, b = _operand(a_kind, M, K, gen), _operand(b_kind, K, N, gen)
     old = _bf16(M, N, gen=gen)
     exact = a.double() @ b.double() + (old.double() if add else 0)
     out = old.clone()
-    native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, add, 1, stream)
+    native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, add, gemm, stream)
     ref = old.clone()
     native.expert_ops(torch.bfloat16).expert_matmul(a, b, ref, add, 0, False)  # at::mm
     ulp = exact.abs().clamp_min(1e-3) * 2**-7  # one bf16 step at the exact value (fp32 sums: far below it)
@@ -382,23 +393,26 @@ def test_dot_gemm_kernel_against_fp64(M, K, N, a_kind, b_kind, add, stream):
 
 
 @pytest.mark.skipif(not DOT_CPU, reason="needs a CPU with native bf16 and the C++ loop")
-def test_dot_gemm_kernel_non_finite_and_zero_rows():
-    """A NaN or inf in a row of the left operand reaches that row's outputs only; all-zero rows give zeros."""
+@pytest.mark.parametrize("gemm", [native.GEMM_DOT, native.GEMM_AMX])
+@pytest.mark.parametrize("K", [64, 40])  # AMX: A read in place (its last rows copied), or all of it zero-padded
+def test_dot_gemm_kernel_non_finite_and_zero_rows(gemm, K):
+    """A NaN or inf in a row of the left operand reaches that row's outputs only (the zero padding of K and of the
+    last rows never meets it); all-zero rows give zeros."""
     gen = torch.Generator().manual_seed(3)
-    a, b = _bf16(19, 64, gen=gen), _bf16(64, 64, gen=gen)
-    a[2, 5], a[11, 63], a[7] = float("nan"), float("inf"), 0
-    out = torch.empty(19, 64, dtype=torch.bfloat16)
-    native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, 1, False)
-    assert out[2].isnan().all() and not out[11].isfinite().any()
+    a, b = _bf16(37, K, gen=gen), _bf16(K, 64, gen=gen)
+    a[2, 5], a[11, K - 1], a[7], a[36, 0] = float("nan"), float("inf"), 0, float("nan")
+    out = torch.empty(37, 64, dtype=torch.bfloat16)
+    native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, gemm, False)
+    assert out[2].isnan().all() and not out[11].isfinite().any() and out[36].isnan().all()
     assert (out[7] == 0).all()
-    rest = [i for i in range(19) if i not in (2, 11)]
+    rest = [i for i in range(37) if i not in (2, 11, 36)]
     assert out[rest].isfinite().all()
 
 
 @needs_dot_gemm
 @pytest.mark.parametrize("ffn", ["swiglu", "relu"])
 @pytest.mark.parametrize("workers, align", [(1, 32), (2, 32), (2, 1)])
-def test_dot_gemm_loop_matches_aten_gemms(monkeypatch, ffn, workers, align):
+def test_dot_gemm_loop_matches_aten_gemms(monkeypatch, ffn, workers, align):  # on this CPU's own kernel (own_gemm)
     """The whole loop on its GEMM kernel against the same loop on at::mm: the output and every gradient within bf16
     rounding of each other (the two sum in the same K order at these sizes, but nothing promises it). Experts of
     64 x 96 (N a multiple of 32: the kernel) and 64 x 72 / 40-wide fallbacks to at::mm inside the same call (align
@@ -411,7 +425,8 @@ def test_dot_gemm_loop_matches_aten_gemms(monkeypatch, ffn, workers, align):
         route32 = _route(300, 12, 2, gen, skew=1.0)
         results = {}
         for flag in (True, False):
-            monkeypatch.setattr("mhmoe.moe.dispatch.fused.dot_gemm", lambda *a, f=flag: f)
+            kernel = native.own_gemm() if flag else native.GEMM_ATEN
+            monkeypatch.setattr("mhmoe.moe.dispatch.fused.expert_gemm", lambda *a, k=kernel: k)
             x = x32.to(torch.bfloat16).requires_grad_()
             route = dataclasses.replace(route32, weights=route32.weights.detach().to(torch.bfloat16).requires_grad_())
             results[flag] = _grads(lambda *a: fused_moe(*a, workers=workers, align=align, native=True), x, route,
@@ -437,9 +452,24 @@ def test_dot_gemm_kernel_runs_where_the_cpu_has_it():
     assert names.count("mhmoe::dot_gemm") == 1 and "aten::mm" in names
 
 
+@pytest.mark.skipif(native.expert_ops(torch.bfloat16) is None or native.cpu_isa() != "amx",
+                    reason="needs a CPU with AMX and the C++ loop")
+def test_amx_gemm_kernel_runs_where_the_cpu_has_it():
+    """On a CPU with AMX, gemm=2 runs on the tiles (its profiler label), and `own_gemm` names that kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(16, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16)
+    out = torch.empty(16, 32, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_AMX, False)
+    assert [ev.name for ev in prof.events()].count("mhmoe::amx_gemm") == 1
+    assert native.own_gemm() == native.GEMM_AMX
+
+
 @pytest.mark.skipif(not DOT_CPU, reason="needs a CPU with native bf16 and the C++ loop")
 @pytest.mark.parametrize("b_kind", ["rows", "transposed"])
-def test_dot_gemm_spreads_its_panels_over_threads_outside_the_lanes(b_kind):
+@pytest.mark.parametrize("gemm", [native.GEMM_DOT, native.GEMM_AMX])
+def test_dot_gemm_spreads_its_panels_over_threads_outside_the_lanes(b_kind, gemm):
     """Called outside a parallel region (the loop with one lane, or the op itself), the kernel splits its column
     panels over the intra-op threads: the same bits on 1, 2 and 3 threads (each column is one thread's sum)."""
     gen = torch.Generator().manual_seed(7)
@@ -450,7 +480,7 @@ def test_dot_gemm_spreads_its_panels_over_threads_outside_the_lanes(b_kind):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             out = torch.empty(300, 2048, dtype=torch.bfloat16)
-            native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_DOT, False)
+            native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, gemm, False)
             outs.append(out)
     finally:
         torch.set_num_threads(before)

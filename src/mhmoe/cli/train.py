@@ -307,6 +307,9 @@ def _add_compare(sub) -> None:
                    "seed)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per preset (seed k trains with train.seed + k); the "
                    "table shows mean ± std when > 1")
+    p.add_argument("--first-seed", type=int, default=0, metavar="K", help="the first seed index: every preset trains "
+                   "and reports seeds K .. K+N-1 (N: --seeds) in OUT/<preset>/seed<k>/, e.g. more seeds beside "
+                   "finished ones or a fresh set (default: 0)")
     add_run_flags(p, tuple(DEFAULT_PRESETS))
     p.add_argument("--timing-steps", type=int, default=3, metavar="N", help="after training, time N training steps "
                    "of each final model round-robin for the tok/s column (0: show each run's average instead)")
@@ -320,12 +323,13 @@ def _run_compare(args) -> int:
     from mhmoe.research.compare import compare_runs, run_compare
 
     t0 = time.perf_counter()
-    first = compare_runs(args.presets, args.seeds, flag_overrides(args))[0][2]  # checks every name and override
+    # checks every name and override
+    first = compare_runs(args.presets, args.seeds, flag_overrides(args), args.first_seed)[0][2]
     warn_slow_bf16(first.train.device, first.train.dtype)
     if args.timing_steps < 0:
         raise ConfigError("--timing-steps", args.timing_steps, "an integer >= 0")
     runs, table = run_compare(args.presets, args.out, args.seeds, flag_overrides(args), progress=not args.no_progress,
-                              timing_rounds=args.timing_steps)
+                              timing_rounds=args.timing_steps, first_seed=args.first_seed)
     if not runs:  # torchrun: rank 0 reports
         return 0
     if args.json:

@@ -28,26 +28,29 @@ from mhmoe.runtime.reading import read_json
 DEFAULT_PRESETS = ("tiny-dense", "tiny-smoe", "tiny-mh3")
 
 
-def compare_runs(presets: list[str], seeds: int = 1,
-                 overrides: list[str] | None = None) -> list[tuple[str, int, RunConfig]]:
-    """(preset, seed index, run config) for every preset x seed (seed k: ``train.seed`` + k, after the
-    overrides); every name and override is checked before anything trains."""
+def compare_runs(presets: list[str], seeds: int = 1, overrides: list[str] | None = None,
+                 first_seed: int = 0) -> list[tuple[str, int, RunConfig]]:
+    """(preset, seed index, run config) for every preset x seed index ``first_seed`` .. ``first_seed + seeds - 1``
+    (seed k: ``train.seed`` + k, after the overrides); every name and override is checked before anything trains."""
     if seeds < 1:
         raise ConfigError("--seeds", seeds, "an integer >= 1")
+    if first_seed < 0:
+        raise ConfigError("--first-seed", first_seed, "an integer >= 0")
     out = []
     for name in presets:
         run = get_preset(name).with_overrides(list(overrides or []))
-        out += [(name, k, run.with_overrides([f"train.seed={run.train.seed + k}"])) for k in range(seeds)]
+        out += [(name, k, run.with_overrides([f"train.seed={run.train.seed + k}"]))
+                for k in range(first_seed, first_seed + seeds)]
     return out
 
 
 def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: list[str] | None = None,
-                progress: bool = True, timing_rounds: int = ROUNDS) -> tuple[list[dict], str]:
-    """Train (or reuse) every preset x seed into ``out``; time the final models' training steps round-robin
-    (``timing_rounds`` steps each, :mod:`mhmoe.research.throughput`; 0: no timing, the table shows each
-    run's average); write the suite report. Returns (runs, Markdown table with its notes)."""
+                progress: bool = True, timing_rounds: int = ROUNDS, first_seed: int = 0) -> tuple[list[dict], str]:
+    """Train (or reuse) every preset x seed (indices ``first_seed`` ..) into ``out``; time the final models'
+    training steps round-robin (``timing_rounds`` steps each, :mod:`mhmoe.research.throughput`; 0: no timing, the
+    table shows each run's average); write the suite report. Returns (runs, Markdown table with its notes)."""
     out = Path(out)
-    plan = compare_runs(presets, seeds, overrides)
+    plan = compare_runs(presets, seeds, overrides, first_seed)
     runs, t0 = [], time.perf_counter()
     for name, seed, run in plan:
         run_dir = out / name / f"seed{seed}"
@@ -71,12 +74,13 @@ def run_compare(presets: list[str], out: str | Path, seeds: int = 1, overrides: 
     wall = time.perf_counter() - t0
     timing = None
     if timing_rounds > 0:
-        first = {r["label"]: r["run_dir"] for r in runs if r["seed"] == 0}
+        first = {r["label"]: r["run_dir"] for r in runs if r["seed"] == first_seed}
         train_cfg = plan[0][2].train
         print(f"timing {timing_rounds} training steps of each model, round-robin", file=sys.stderr)
         timing = timed_throughput(first, timing_rounds, train_cfg.device, train_cfg.threads)
-    table = write_suite_report(runs, out, "compare: " + ", ".join(presets), {"wall_s": wall, "seeds": seeds},
-                               timing, describe(timing) if timing else "")
+    meta = {"wall_s": wall, "seeds": seeds, "first_seed": first_seed}
+    note = describe(timing) if timing else ""
+    table = write_suite_report(runs, out, "compare: " + ", ".join(presets), meta, timing, note)
     return runs, table
 
 

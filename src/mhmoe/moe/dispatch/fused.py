@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.moe.dispatch.cpu_table import cpu_choice
 from mhmoe.moe.dispatch.layout import RowLayout, row_layout
-from mhmoe.moe.dispatch.native import GEMM_ATEN, GEMM_DOT, dot_gemm, expert_ops
+from mhmoe.moe.dispatch.native import GEMM_ATEN, expert_gemm, expert_ops
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -358,7 +358,7 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
     ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
-    gemm = GEMM_DOT if ops is not None and dot_gemm(dtype, experts.d_in, experts.d_hidden) else GEMM_ATEN
+    gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden) if ops is not None else GEMM_ATEN
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
                                ops, trains, gemm)

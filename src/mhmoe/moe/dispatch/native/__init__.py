@@ -3,10 +3,10 @@ generation's expert pairs in C++ (``expert_loop.cpp``, ``router_topk.cpp``, ``gr
 ``gathered_ffn.cpp``), compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
-same order, or for small bf16 experts on CPUs with AVX-512 BF16 and no AMX its own GEMM kernel (:func:`dot_gemm`)
--- with the SwiGLU element-wise work fused into one vectorised pass per direction (the Python loop makes about
-seven passes over each [C, F] hidden block) and no Python between the kernels; experts are spread over the
-intra-op threads in C++. The element-wise passes use ATen's silu / silu_backward formulas and round
+same order, or for small bf16 experts on CPUs with AVX-512 BF16 its own GEMM kernel (:func:`expert_gemm`: the
+bf16 dot-product instruction, or AMX tiles where the CPU has them) -- with the SwiGLU element-wise work fused
+into one vectorised pass per direction (the Python loop makes about seven passes over each [C, F] hidden block)
+and no Python between the kernels; experts are spread over the intra-op threads in C++. The element-wise passes use ATen's silu / silu_backward formulas and round
 to bf16 where the Python loop stores a bf16 intermediate, so both loops give the same numbers (bit-identical in
 the tests; where ATen splits one of its element-wise ops over threads, its vector/scalar boundaries move and the
 last bit may differ). Why C++ and not ``torch.compile``: the loop's row counts change every step
@@ -65,7 +65,7 @@ from mhmoe.runtime.cpu import cpu_isa
 SOURCES = [Path(__file__).with_name(name)
            for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp", "group_rows.cpp")]
 # included by the sources; part of the build's key
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h", "amx_gemm.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
@@ -73,15 +73,16 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 DTYPES = (torch.float32, torch.bfloat16)
-# bf16 experts whose weight matrices have at most DOT_GEMM_WEIGHTS elements, at least DOT_GEMM_MIN_IN input features
-# and at most DOT_GEMM_MAX_RATIO times as many hidden ones run their GEMMs on the loop's own AVX-512 BF16 kernel
-# (dot_gemm.h) on the ISAs listed; thin, wide experts on at::mm (oneDNN), faster there, and larger ones too (not
-# measured) (docs/PERFORMANCE.md)
+# bf16 experts whose weight matrices have at most DOT_GEMM_WEIGHTS elements (AMX_GEMM_WEIGHTS on AMX CPUs), at least
+# DOT_GEMM_MIN_IN input features and at most DOT_GEMM_MAX_RATIO times as many hidden ones run their GEMMs on the
+# loop's own kernel (dot_gemm.h: AVX-512 BF16; amx_gemm.h: AMX tiles) on the ISAs listed; thin, wide experts on
+# at::mm (oneDNN), faster there, and larger ones too (docs/PERFORMANCE.md)
 DOT_GEMM_WEIGHTS = 1 << 21
+AMX_GEMM_WEIGHTS = 1 << 19
 DOT_GEMM_MIN_IN = 64
 DOT_GEMM_MAX_RATIO = 4
-DOT_GEMM_ISAS = ("avx512_bf16",)
-GEMM_ATEN, GEMM_DOT = 0, 1  # the C++ loop's `gemm` argument
+DOT_GEMM_ISAS = ("avx512_bf16", "amx")
+GEMM_ATEN, GEMM_DOT, GEMM_AMX = 0, 1, 2  # the C++ loop's `gemm` argument
 MAX_TOPK = 8  # topk_rows keeps the k + 1 best scores of every vector lane; larger k: torch.topk
 log = logging.getLogger(__name__)
 
@@ -167,16 +168,29 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
     return _ops()
 
 
-def dot_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> bool:
-    """Whether the C++ loop runs an expert's GEMMs on its own bf16 kernel (``dot_gemm.h``: the AVX-512 BF16
-    dot-product instruction, the right operand packed per call in L2-sized column panels, fp32 sums in K order)
-    instead of ``at::mm``: bf16, weight matrices of at most ``DOT_GEMM_WEIGHTS`` elements (the largest measured:
-    SMoE's 768 x 2048; every tiny preset's experts and the d=768 layers' ran 1.02-1.32x as fast fwd+bwd as on
-    at::mm), not thin and wide (``d_in >= DOT_GEMM_MIN_IN`` and ``d_hidden <= DOT_GEMM_MAX_RATIO * d_in``: the
-    parameter-parity layers' 96 x 1488 to 16 x 8928 experts ran 0.87-0.96x), on the ISAs of ``DOT_GEMM_ISAS``
-    (native bf16 without AMX, whose tiles oneDNN uses) with an AVX-512 build."""
-    return (dtype == torch.bfloat16 and d_in * d_hidden <= DOT_GEMM_WEIGHTS and d_in >= DOT_GEMM_MIN_IN
-            and d_hidden <= DOT_GEMM_MAX_RATIO * d_in and capability() == "AVX512" and cpu_isa() in DOT_GEMM_ISAS)
+def expert_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> int:
+    """Where the C++ loop runs an expert's GEMMs: on its own bf16 kernel for this CPU (:func:`own_gemm`; the right
+    operand packed per call in L2-sized column panels, fp32 sums in K order) or ``GEMM_ATEN`` (``at::mm``). Its own
+    kernel for bf16 experts, not thin and wide (``d_in >= DOT_GEMM_MIN_IN`` and ``d_hidden <= DOT_GEMM_MAX_RATIO *
+    d_in``: the parameter-parity layers' 96 x 1488 to 16 x 8928 experts ran 0.87-0.96x as fast on the dot-product
+    kernel), with an AVX-512 build, on the ISAs of ``DOT_GEMM_ISAS`` and weight matrices of at most:
+
+    * ``DOT_GEMM_WEIGHTS`` elements on ``avx512_bf16`` (the dot-product kernel, ``dot_gemm.h``; the largest
+      measured: SMoE's 768 x 2048; every tiny preset's experts and the d=768 layers' ran 1.02-1.32x as fast fwd+bwd
+      as on at::mm);
+    * ``AMX_GEMM_WEIGHTS`` on ``amx`` (AMX tiles, ``amx_gemm.h``: the h=2 and h=3 layers' experts, tiny and d=768,
+      ran 1.03-1.35x as fast fwd+bwd as on oneDNN's AMX kernels; SMoE's 768 x 2048 0.96x)."""
+    isa = cpu_isa()
+    limit = AMX_GEMM_WEIGHTS if isa == "amx" else DOT_GEMM_WEIGHTS
+    own = (dtype == torch.bfloat16 and d_in * d_hidden <= limit and d_in >= DOT_GEMM_MIN_IN
+           and d_hidden <= DOT_GEMM_MAX_RATIO * d_in and capability() == "AVX512" and isa in DOT_GEMM_ISAS)
+    return own_gemm() if own else GEMM_ATEN
+
+
+def own_gemm() -> int:
+    """The loop's own bf16 GEMM kernel on this CPU: ``GEMM_AMX`` (AMX tiles, ``amx_gemm.h``) on a CPU with AMX, else
+    ``GEMM_DOT`` (the AVX-512 BF16 dot product, ``dot_gemm.h``)."""
+    return GEMM_AMX if cpu_isa() == "amx" else GEMM_DOT
 
 
 def topk_indices(scores: Tensor, k: int) -> Tensor:

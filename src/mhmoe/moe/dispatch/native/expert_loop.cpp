@@ -4,7 +4,8 @@
 // the kernels. Registered as torch.ops.mhmoe_cpu.{expert_forward, expert_backward}; the Python path
 // (mhmoe/moe/dispatch/fused.py) is the same computation op for op and the reference the tests hold it to.
 // With `gemm` = kDot (bf16 experts on CPUs with AVX-512 BF16 and no AMX, decided in Python: native.dot_gemm) the
-// GEMMs run on the dot-product kernel of dot_gemm.h instead of at::mm.
+// GEMMs run on the dot-product kernel of dot_gemm.h instead of at::mm; with kAmx (bf16 experts on CPUs with AMX,
+// native.expert_gemm) on the AMX tiles of amx_gemm.h.
 //
 // Shape legend: R rows of the expert-grouped buffer (expert e owns rows [starts[e], starts[e] + sizes[e])),
 // D expert width, F expert hidden width, E experts, C rows of one expert.
@@ -16,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "amx_gemm.h"
 #include "dot_gemm.h"
 #include "swiglu.h"
 
@@ -32,8 +34,8 @@ using at::Tensor;
 using mhmoe_native::swiglu_backward;
 using mhmoe_native::swiglu_forward;
 
-// Where an expert's GEMMs run (decided in Python: native.dot_gemm).
-enum Gemm : int64_t { kAten = 0, kDot = 1 };
+// Where an expert's GEMMs run (decided in Python: native.expert_gemm).
+enum Gemm : int64_t { kAten = 0, kDot = 1, kAmx = 2 };
 
 #ifdef MHMOE_DOT_GEMM
 // bf16 GEMMs on the AVX-512 BF16 dot-product kernel of dot_gemm.h: out [M, N] contiguous, N a multiple of 32; the
@@ -100,11 +102,98 @@ struct DotGemm {
 };
 #endif
 
+#ifdef MHMOE_AMX_GEMM
+// bf16 GEMMs on AMX tiles (amx_gemm.h): out [M, N] contiguous, N a multiple of 32; the left operand any layout (read
+// in place when row-major with K a multiple of 32, but for its last M % 32 rows; else copied into a zero-padded
+// block, a transposed view made contiguous first); the right one row-major or a transposed view of a row-major
+// matrix (K even, rows 4-byte aligned), packed into pairs panel by panel as DotGemm does.
+struct AmxGemm {
+  static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
+    const int64_t K = a.size(1), N = b.size(1);
+    const bool b_rows = b.stride(1) == 1, b_cols = b.stride(0) == 1 && K % 2 == 0 && DotGemm::aligned(b, b.stride(1));
+    return mhmoe_native::amx_gemm::supported() && a.scalar_type() == at::kBFloat16 &&
+           b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && (b_rows || b_cols) &&
+           N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
+  }
+  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, bool stream) {
+    RECORD_FUNCTION("mhmoe::amx_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
+    namespace ag = mhmoe_native::amx_gemm;
+    namespace dg = mhmoe_native::dot_gemm;
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1), Kp = (K + ag::KB - 1) / ag::KB * ag::KB, KK = Kp / 2;
+    const int64_t full = M / ag::MB * ag::MB;
+    // A: in place (its last rows copied into a zero-padded block) or all of it copied, zero-padded to [Mp, Kp]
+    Tensor padded;
+    const uint16_t* A = nullptr;
+    const uint16_t* tail = nullptr;
+    int64_t lda = Kp;
+    if (a.stride(1) == 1 && K % ag::KB == 0) {
+      A = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), lda = a.stride(0);
+      if (full < M) {
+        padded = at::zeros({ag::MB, Kp}, a.options());
+        padded.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
+        tail = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
+      }
+    } else if (a.stride(0) == 1) {  // a = t.t(), t [K, M] row-major: t's rows in pairs, then those transposed
+      const int64_t Mp = (M + ag::MB - 1) / ag::MB * ag::MB, KKa = (K + 1) / 2;
+      thread_local std::vector<uint32_t> pairs;
+      if ((int64_t)pairs.size() < KK * M) pairs.resize(KK * M);
+      dg::pack_row_pairs(reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), a.stride(1), K, M,
+                         pairs.data());
+      std::fill(pairs.begin() + KKa * M, pairs.begin() + KK * M, 0u);
+      padded = at::empty({Mp, Kp}, a.options());
+      auto* rows = reinterpret_cast<uint32_t*>(padded.mutable_data_ptr<at::BFloat16>());
+      dg::pack_col_pairs(pairs.data(), M, M, KK, rows);  // [KK][M] pairs -> [M][KK]: A's rows, K zero-padded
+      std::fill(rows + M * KK, rows + Mp * KK, 0u);
+      A = reinterpret_cast<const uint16_t*>(rows);
+      tail = A + full * Kp;
+    } else {
+      padded = at::zeros({(M + ag::MB - 1) / ag::MB * ag::MB, Kp}, a.options());
+      padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
+      A = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
+      tail = A + full * Kp;
+    }
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    int64_t NP = std::min(N, std::max<int64_t>(ag::NB, dg::L2_B / (KK * 4) / ag::NB * ag::NB));
+    if (threads > 1) NP = std::min(NP, std::max<int64_t>(ag::NB, (N / threads + ag::NB - 1) / ag::NB * ag::NB));
+    thread_local std::vector<uint32_t> pb;  // per thread, grown as needed
+    const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
+    auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+    const int64_t KKb = (K + 1) / 2;  // pair rows holding B; the rest up to KK are zero
+    const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1): packed into this thread's pb
+      if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
+      ag::configure();
+      for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
+        const int64_t np = std::min(NP, N - n0);
+        if (b.stride(1) == 1)
+          dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
+        else
+          dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np,
+                             pb.data());
+        std::fill(pb.begin() + KKb * np, pb.begin() + KK * np, 0u);
+        ag::gemm(A, lda, tail, pb.data(), M, np, Kp, o + n0, N, add, stream);
+      }
+      ag::release();
+    };
+    const int64_t count = (N + NP - 1) / NP;
+    if (threads > 1 && count > 1)
+      at::parallel_for(0, count, 1, panels);
+    else
+      panels(0, count);
+  }
+};
+#endif
+
 // out = a · b (add: out += a · b, rounded once as addmm_) where `gemm` says, where that kernel fits; else ATen's.
 // Hints for the kDot kernel: `next`, what the caller reads after this GEMM (the next weight matrix), pulled into the
 // cache during it; `stream`, an output not read again soon (the weight gradients), written around the cache.
 void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm, const Tensor& next = Tensor(),
             bool stream = false) {
+#ifdef MHMOE_AMX_GEMM
+  if (gemm == kAmx && AmxGemm::fits(out, a, b)) {
+    AmxGemm::run(out, a, b, add, stream);
+    return;
+  }
+#endif
 #ifdef MHMOE_DOT_GEMM
   if (gemm == kDot && DotGemm::fits(out, a, b)) {
     DotGemm::run(out, a, b, add, next, stream);
@@ -260,7 +349,7 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == xs.sizes(), "dy must be a contiguous [R, D] tensor");
   TORCH_CHECK(!dxs || (dxs->is_contiguous() && dxs->sizes() == xs.sizes()), "dxs must be a contiguous [R, D] tensor");
   const bool glu = w3.has_value();
-  const bool transpose_x = xs.scalar_type() == at::kBFloat16 && gemm != kDot;
+  const bool transpose_x = xs.scalar_type() == at::kBFloat16 && gemm == kAten;
   Tensor gw1 = at::empty_like(w1), gw2 = at::empty_like(w2);
   Tensor gw3 = glu ? at::empty_like(*w3) : Tensor();
   for (int64_t e = 0; e < E; ++e) {
