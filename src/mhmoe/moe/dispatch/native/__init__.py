@@ -2,16 +2,16 @@
 generation's expert pairs in C++ (``expert_loop.cpp``, ``router_topk.cpp``, ``group_rows.cpp``, ``token_xent.cpp``,
 ``gathered_ffn.cpp``), compiled on first use.
 
-What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the
-same order, or for small bf16 experts on CPUs with AVX-512 BF16 its own GEMM kernel (:func:`expert_gemm`: the
-bf16 dot-product instruction, or AMX tiles where the CPU has them) -- with the SwiGLU element-wise work fused
-into one vectorised pass per direction (the Python loop makes about seven passes over each [C, F] hidden block)
-and no Python between the kernels; experts are spread over the intra-op threads in C++. The element-wise passes
-use ATen's silu / silu_backward formulas and round to bf16 where the Python loop stores a bf16 intermediate, so
-both loops give the same numbers (bit-identical in the tests; where ATen splits one of its element-wise ops over
-threads, its vector/scalar boundaries move and the last bit may differ). Why C++ and not ``torch.compile``: the loop's row counts change every step
-(recompiles), and a compiled function's per-call overhead is as large as the per-expert work it would save
-(docs/PERFORMANCE.md).
+What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the same
+order, or for small bf16 experts on CPUs with AVX-512 BF16 its own GEMM kernel (:func:`expert_gemm`: the bf16
+dot-product instruction, or AMX tiles where the CPU has them) -- with the SwiGLU element-wise work fused into one
+vectorised pass per direction (the Python loop makes about seven passes over each [C, F] hidden block) and no Python
+between the kernels; experts are spread over the intra-op threads in C++. The element-wise passes use ATen's silu /
+silu_backward formulas and round to bf16 where the Python loop stores a bf16 intermediate, so both loops give the
+same numbers (bit-identical in the tests; where ATen splits one of its element-wise ops over threads, its
+vector/scalar boundaries move and the last bit may differ). Why C++ and not ``torch.compile``: the loop's row counts
+change every step (recompiles), and a compiled function's per-call overhead is as large as the per-expert work it
+would save (docs/PERFORMANCE.md).
 
 How it is built: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``, a dependency) into
 torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), once per machine, ISA and
