@@ -5,17 +5,17 @@ by the CPU's matrix ISA (``amx``, ``avx512bf16``, ``avx512``, ``avx2``), as the 
     python benchmarks/cpu_suite.py                      # all of them, in this order (~27 minutes on the 2-core EPYC)
     python benchmarks/cpu_suite.py --steps bench profile --skip-existing
 
-Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer against the aligned same-FLOPs
-dense FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goes, one thread), ``native_ops``
-(the C++ ops alone), ``tiny_bfloat16`` / ``tiny_float32`` (whole tiny models, ``train_throughput.py``),
-``bench_run2`` (the layer benchmark again: one run on a shared machine says little), ``paper_bfloat16`` /
-``paper_float32`` (the paper-size models), ``generate`` (greedy decoding of the tiny presets), ``thin`` (the
-parameter-parity layers' thin, wide experts on each path, ``thin_experts.py``), ``dispatch`` and
-``dispatch_tiny`` (``cpu_dispatch.py --measure``, the d=768 layers and the tiny presets' in a file each: the
-candidates ``impl="auto"`` chooses from), ``table`` (``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table
-from every dispatch file, this CPU's included), ``expert_gemm`` / ``expert_gemm_models`` (the C++ loop's own
-bf16 GEMM kernel against ``at::mm``; ``avx512_bf16`` CPUs only, where it is used). bf16 runs only where the CPU
-has native bf16 (AMX or ``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
+Steps, the layer answers first: ``bench`` (``mhmoe bench moe``: every layer against the aligned same-FLOPs dense
+FFN, fwd and fwd+bwd), ``profile`` (``moe_profile.py``: where the time goes, one thread), ``native_ops`` (the C++
+ops alone), ``tiny_bfloat16`` / ``tiny_float32`` (whole tiny models, ``train_throughput.py``), ``bench_run2`` (the
+layer benchmark again: one run on a shared machine says little), ``paper_bfloat16`` / ``paper_float32`` (the
+paper-size models), ``generate`` (greedy decoding of the tiny presets), ``thin`` (the parameter-parity layers' thin,
+wide experts on each path, ``thin_experts.py``), ``dispatch`` and ``dispatch_tiny`` (``cpu_dispatch.py --measure``,
+the d=768 layers and the tiny presets' in a file each: the candidates ``impl="auto"`` chooses from), ``table``
+(``cpu_dispatch.py --table``: rebuilds ``auto``'s CPU table from every dispatch file, this CPU's included),
+``expert_gemm`` / ``expert_gemm_models`` (the C++ loop's own bf16 GEMM kernel against ``at::mm``: the dot product on
+``avx512_bf16`` CPUs, AMX tiles on ``amx`` ones). bf16 runs only where the CPU has native bf16 (AMX or
+``avx512_bf16``; elsewhere bf16 matmuls are ~100x slower).
 
 Every step is a process of its own with ``MHMOE_MALLOC=tuned`` and 2 threads (``OMP_NUM_THREADS=2``; the profile
 and the C++ ops: one), run from this checkout's ``src``; its output streams to this terminal. A failed step is
@@ -106,7 +106,7 @@ def steps_for(isa: str, results: str = RESULTS) -> list[Step]:
     ]
     if results == RESULTS:
         out.append(Step("table", _script("cpu_dispatch", "--table"), ()))
-    if isa == "avx512_bf16":
+    if isa in NATIVE_BF16:  # the loop's own bf16 kernel: the dot product (avx512_bf16) or AMX tiles
         layers, models = f"{results}/expert_gemm_{tag}_2t.json", f"{results}/expert_gemm_models_{tag}_2t.json"
         out += [Step("expert_gemm", _script("expert_gemm", "--threads", "2", "--json", layers), (layers,)),
                 Step("expert_gemm_models", _script("expert_gemm", "--threads", "2", "--presets", "tiny-mh2", "tiny-mh3",
