@@ -56,8 +56,9 @@ ROUTER = ("topk", "softmax", "_softmax", "argsort", "sort", "bincount", "one_hot
           "arange")
 COPIES = ("copy_", "_to_copy", "to", "clone", "contiguous", "empty", "zero", "fill", "full", "ones", "new_", "resize")
 _PATCHED = "mhmoe::wgrad"
-WORK_LABELS = ("mhmoe::swiglu", "mhmoe::dot_gemm")  # labels around C++ work of their own (no ATen op inside): their
-# self time counts (the expert loop's SwiGLU passes and its own bf16 GEMMs)
+OWN_GEMMS = ("mhmoe::dot_gemm", "mhmoe::amx_gemm")  # the C++ loop's own bf16 GEMM kernels (dot product, AMX tiles)
+WORK_LABELS = ("mhmoe::swiglu", *OWN_GEMMS)  # labels around C++ work of their own: their self time counts (the
+# expert loop's SwiGLU passes and its own bf16 GEMMs; the AMX kernel's padded copies are ATen ops inside it)
 
 
 def _label_wgrad() -> None:
@@ -110,7 +111,7 @@ def classify(ev, ancestors: list[str], dims: dict, wgrads: set[int] = frozenset(
         if len(a) == 3 and bwd and (a[1], b[2]) in ((dims["d_in"], dims["d_hidden"]), (dims["d_hidden"], dims["d_in"])):
             return "experts wgrad"
         return "experts dgrad" if bwd else "experts fwd"
-    if name == "mhmoe::dot_gemm":  # one expert GEMM on the C++ loop's own kernel (mhmoe.moe.dispatch.native)
+    if name in OWN_GEMMS:  # one expert GEMM on the C++ loop's own kernel (mhmoe.moe.dispatch.native)
         if _PATCHED in ancestors:
             return "experts wgrad"
         return "experts dgrad" if any(a.endswith("expert_backward") for a in ancestors) else "experts fwd"

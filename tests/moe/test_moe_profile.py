@@ -45,10 +45,11 @@ def test_router_gemm_and_expert_gemm_buckets(moe_profile):
     assert moe_profile.classify(expert, ["mhmoe::wgrad"], dims) == "experts wgrad"
 
 
-def test_the_cpp_loops_own_gemms_count_by_pass(moe_profile):
-    """The C++ loop's own bf16 GEMMs are labels with no ATen op inside: forward, input-side backward, or (inside the
-    loop's weight-gradient label) weight gradients."""
-    gemm = _event("mhmoe::dot_gemm")
+@pytest.mark.parametrize("label", ["mhmoe::dot_gemm", "mhmoe::amx_gemm"])
+def test_the_cpp_loops_own_gemms_count_by_pass(moe_profile, label):
+    """The C++ loop's own bf16 GEMMs (the dot-product kernel, AMX tiles) are labels whose self time counts: forward,
+    input-side backward, or (inside the loop's weight-gradient label) weight gradients."""
+    gemm = _event(label)
     assert moe_profile.counted(gemm.name, 300.0)
     assert moe_profile.classify(gemm, ["mhmoe_cpu::expert_forward", "_FusedMoE"], {}) == "experts fwd"
     assert moe_profile.classify(gemm, ["mhmoe_cpu::expert_backward", "_FusedMoEBackward"], {}) == "experts dgrad"
