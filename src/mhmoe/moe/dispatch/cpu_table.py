@@ -76,27 +76,27 @@ def cpu_choice(dtype: torch.dtype, experts: GroupedExperts, isa: str | None = No
 TABLE: dict[tuple[str, str, str], CpuChoice] = {
     ('amx', 'float32', 'few'):
         CpuChoice('fused', 1, -1.0, True,
-                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json, cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'float32', 'many'):
         CpuChoice('fused', 1, -1.0, True,
-                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json, cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'float32', 'small'):
         CpuChoice('fused', 1, -1.0, True,
-                  'not measured; as many: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+                  'cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'float32', 'thin_wide'):
         CpuChoice('sorted', 1, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('amx', 'bfloat16', 'few'):
         CpuChoice('fused', 16, -1.0, True,
-                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json, cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'bfloat16', 'many'):
-        CpuChoice('fused', 16, 0.47, True,
-                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+        CpuChoice('fused', 16, -1.0, True,
+                  'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json, cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'bfloat16', 'small'):
-        CpuChoice('fused', 16, 0.47, True,
-                  'not measured; as many: cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
+        CpuChoice('fused', 32, -1.0, True,
+                  'cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'bfloat16', 'thin_wide'):
-        CpuChoice('chunked', 32, -1.0, True,
+        CpuChoice('fused', 32, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('avx512_bf16', 'float32', 'few'):
         CpuChoice('fused', 16, -1.0, True,
