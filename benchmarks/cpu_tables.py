@@ -8,7 +8,8 @@ the CPU's ISA), in the docs' formats, each under the ``<!-- source: ... -->`` li
 (several tables under one source line: in order) and lists the tables it found no such line for, to be placed
 by hand with the prose that goes with them. Tables: the layer benchmark (``mhmoe bench moe``, two runs), the
 profile, the C++ ops (three), whole tiny and paper-size models, generation, the thin experts, the C++ loop's GEMMs
-on at::mm against its own kernel (two). The dispatch candidates' tables are written by ``cpu_dispatch.py``.
+on at::mm against its own kernel (two), the allocator's two settings and the dispatch candidates (d=768 layers,
+tiny presets' layers; ``cpu_dispatch.py --table`` writes ``auto``'s table in the source).
 """
 
 from __future__ import annotations
@@ -136,6 +137,41 @@ def expert_gemm(data: dict[str, Any]) -> str:
                    for r in rows])
 
 
+CANDIDATES = ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16", "sorted", "chunked:32"]
+
+
+def candidates(data: dict[str, Any]) -> str:
+    """``cpu_dispatch.py --measure``: every candidate's ms per layer and dtype (the fastest in bold), the scaled dense
+    FFN, its ratio to the fastest and the rows all-experts batching would pad."""
+    rows = []
+    for r in data["rows"]:
+        ms = dict(r["ms"])
+        best = min((v for k, v in ms.items() if k != "dense"), default=None)
+        cells = [("**{:.1f}**" if ms[c] == best else "{:.1f}").format(ms[c]) if c in ms else "-" for c in CANDIDATES]
+        rows.append([r["layer"], r["class"], r["dtype"], *cells, f"{r['dense_norm_ms']:.1f}",
+                     f"{r['dense_norm_ms'] / best:.2f}", f"{r['padding_batched16']:.0%}"])
+    return _table(["layer", "class", "dtype", *(f"`{c}`" for c in CANDIDATES), "dense (scaled)", "dense/fastest",
+                   "padding if batched"], rows)
+
+
+def allocator(glibc: dict[str, Any], tuned: dict[str, Any]) -> str:
+    """Two ``cpu_dispatch.py --measure`` files, glibc's default ``malloc`` and ``MHMOE_MALLOC=tuned``: page faults
+    per call (the MoE layer: the median over its candidates; the dense FFN) and the dense FFN's rate over the
+    fastest candidate's, both ways."""
+    def fastest(r: dict[str, Any]) -> float:
+        return r["dense_norm_ms"] / min(v for k, v in dict(r["ms"]).items() if k != "dense")
+
+    rows = []
+    for g, t in zip(glibc["rows"], tuned["rows"], strict=True):
+        if (g["layer"], g["dtype"]) != (t["layer"], t["dtype"]):
+            raise ValueError("the two files' rows differ")
+        faults = sorted(v for k, v in dict(g["page_faults"]).items() if k != "dense")
+        rows.append([g["layer"], g["dtype"], f"{faults[len(faults) // 2]:,}", f"{dict(g['page_faults'])['dense']:,}",
+                     f"{fastest(g):.2f}", f"{fastest(t):.2f}"])
+    return _table(["layer", "dtype", "page faults per call, MoE (glibc; middle of the candidates)",
+                   "page faults per call, dense (glibc)", "dense/fastest, glibc", "dense/fastest, tuned"], rows)
+
+
 def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
     """(source files, markdown table) for every table whose files exist for ``tag``, in the docs' order."""
     def name(stem: str) -> str:
@@ -153,6 +189,9 @@ def tables(tag: str, results: Path) -> list[tuple[list[str], str]]:
         ([name("thin_experts_{tag}_2core")], thin),
         ([name("expert_gemm_{tag}_2t")], expert_gemm),
         ([name("expert_gemm_models_{tag}_2t")], expert_gemm),
+        ([name("cpu_dispatch_{tag}_2t"), name("cpu_dispatch_{tag}_2t_tuned")], allocator),
+        ([name("cpu_dispatch_{tag}_2t_tuned")], candidates),
+        ([name("cpu_dispatch_{tag}_tiny_2t_tuned")], candidates),
     ]
     out: list[tuple[list[str], str]] = []
     for files, render in kinds:

@@ -154,7 +154,7 @@ def gemm_kinds(name: str, repeats: int, scale: float) -> dict:
         def run() -> None:
             for e in range(E):
                 a, b, out = kinds[kind](e, own)
-                ops.expert_matmul(a, b, out, False, native.GEMM_DOT if own else native.GEMM_ATEN, own)
+                ops.expert_matmul(a, b, out, False, native.own_gemm() if own else native.GEMM_ATEN, own)
         return run
 
     fns = {f"{k}_{'own' if own else 'aten'}": loop(k, own) for k in kinds for own in (False, True)}
