@@ -38,6 +38,44 @@ using mhmoe_native::swiglu_forward;
 enum Gemm : int64_t { kAten = 0, kDot = 1, kAmx = 2 };
 
 #ifdef MHMOE_DOT_GEMM
+// The own kernels' right operand B [K, N] (row-major, or a transposed view of a row-major matrix with K even and rows
+// 4-byte aligned), packed into K-pairs and used one column panel at a time, each small enough to stay in L2 from its
+// packing to its last use (a whole [768, 2048] weight packed at once would be read back from L3 or memory). Called
+// outside a parallel region (the loop with one lane), the panels are spread over the intra-op threads, at least one
+// each. body(n0, np, pb) gets B's columns [n0, n0 + np) as [KK][np] pairs in per-thread scratch, the pair rows past
+// K's zero; NB divides every panel's width but the last; a Scope object lives around each thread's panels.
+template <class Scope, class Body>
+void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body) {
+  namespace dg = mhmoe_native::dot_gemm;
+  const int64_t K = b.size(0), N = b.size(1), KKb = (K + 1) / 2;  // KKb pair rows hold B
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t NP = std::min(N, std::max<int64_t>(NB, dg::L2_B / (KK * 4) / NB * NB));
+  if (threads > 1) NP = std::min(NP, std::max<int64_t>(NB, (N / threads + NB - 1) / NB * NB));
+  const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
+  const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1)
+    thread_local std::vector<uint32_t> pb;  // per thread, grown as needed
+    if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
+    [[maybe_unused]] Scope scope;
+    for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
+      const int64_t np = std::min(NP, N - n0);
+      if (b.stride(1) == 1)
+        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
+      else
+        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np,
+                           pb.data());
+      std::fill(pb.begin() + KKb * np, pb.begin() + KK * np, 0u);
+      body(n0, np, static_cast<const uint32_t*>(pb.data()));
+    }
+  };
+  const int64_t count = (N + NP - 1) / NP;
+  if (threads > 1 && count > 1)
+    at::parallel_for(0, count, 1, panels);
+  else
+    panels(0, count);
+}
+
+struct NoScope {};
+
 // bf16 GEMMs on the AVX-512 BF16 dot-product kernel of dot_gemm.h: out [M, N] contiguous, N a multiple of 32; the
 // left operand row-major (its pairs read in place; K even, rows 4-byte aligned) or a transposed view (packed: the
 // weight gradients' X^T, K the expert's rows, odd counts padded with a zero pair); the right one row-major or a
@@ -60,14 +98,6 @@ struct DotGemm {
     RECORD_FUNCTION("mhmoe::dot_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
     namespace dg = mhmoe_native::dot_gemm;
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
-    // B is packed and used one column panel at a time, each small enough to stay in L2 from its packing to its last
-    // use (a whole [768, 2048] weight packed at once would be read back from L3 or memory). Called outside a
-    // parallel region (the loop with one lane), the panels are spread over the intra-op threads, at least one each.
-    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-    int64_t NP = std::min(N, std::max<int64_t>(dg::NB, dg::L2_B / (KK * 4) / dg::NB * dg::NB));
-    if (threads > 1) NP = std::min(NP, std::max<int64_t>(dg::NB, (N / threads + dg::NB - 1) / dg::NB * dg::NB));
-    thread_local std::vector<uint32_t> pa, pb;  // per thread, grown as needed
-    const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
     const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
     const bool hint = next.defined() && next.is_contiguous();
@@ -75,29 +105,16 @@ struct DotGemm {
     const int64_t pf_bytes = hint ? next.numel() * next.element_size() : 0;
     const uint32_t* A = reinterpret_cast<const uint32_t*>(ap);
     int64_t a_row = a.stride(0) / 2, a_k = 1;
+    thread_local std::vector<uint32_t> pa;  // per thread, grown as needed
     if (a.stride(0) == 1) {  // a = t.t() for a row-major t [K, M]: t's rows in pairs, element (i, kk) at kk * M + i
       if ((int64_t)pa.size() < KK * M) pa.resize(KK * M);
       dg::pack_row_pairs(ap, a.stride(1), K, M, pa.data());
       A = pa.data(), a_row = 1, a_k = M;
     }
-    const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1): packed into this thread's pb
-      if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
-      for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
-        const int64_t np = std::min(NP, N - n0);
-        if (b.stride(1) == 1)
-          dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
-        else
-          dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KK, np,
-                             pb.data());
-        const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
-        dg::gemm(A, a_row, a_k, pb.data(), M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
-      }
-    };
-    const int64_t count = (N + NP - 1) / NP;
-    if (threads > 1 && count > 1)
-      at::parallel_for(0, count, 1, panels);
-    else
-      panels(0, count);
+    for_b_panels<NoScope>(b, KK, dg::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
+      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
+      dg::gemm(A, a_row, a_k, pb, M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
+    });
   }
 };
 #endif
@@ -107,6 +124,12 @@ struct DotGemm {
 // in place when row-major with K a multiple of 32, but for its last M % 32 rows; else copied into a zero-padded
 // block, a transposed view made contiguous first); the right one row-major or a transposed view of a row-major
 // matrix (K even, rows 4-byte aligned), packed into pairs panel by panel as DotGemm does.
+// The AMX tile configuration, loaded for a thread's panels and released after them.
+struct TileScope {
+  TileScope() { mhmoe_native::amx_gemm::configure(); }
+  ~TileScope() { mhmoe_native::amx_gemm::release(); }
+};
+
 struct AmxGemm {
   static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
     const int64_t K = a.size(1), N = b.size(1);
@@ -152,33 +175,10 @@ struct AmxGemm {
       A = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
       tail = A + full * Kp;
     }
-    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-    int64_t NP = std::min(N, std::max<int64_t>(ag::NB, dg::L2_B / (KK * 4) / ag::NB * ag::NB));
-    if (threads > 1) NP = std::min(NP, std::max<int64_t>(ag::NB, (N / threads + ag::NB - 1) / ag::NB * ag::NB));
-    thread_local std::vector<uint32_t> pb;  // per thread, grown as needed
-    const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-    const int64_t KKb = (K + 1) / 2;  // pair rows holding B; the rest up to KK are zero
-    const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1): packed into this thread's pb
-      if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
-      ag::configure();
-      for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
-        const int64_t np = std::min(NP, N - n0);
-        if (b.stride(1) == 1)
-          dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
-        else
-          dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np,
-                             pb.data());
-        std::fill(pb.begin() + KKb * np, pb.begin() + KK * np, 0u);
-        ag::gemm(A, lda, tail, pb.data(), M, np, Kp, o + n0, N, add, stream);
-      }
-      ag::release();
-    };
-    const int64_t count = (N + NP - 1) / NP;
-    if (threads > 1 && count > 1)
-      at::parallel_for(0, count, 1, panels);
-    else
-      panels(0, count);
+    for_b_panels<TileScope>(b, KK, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
+      ag::gemm(A, lda, tail, pb, M, np, Kp, o + n0, N, add, stream);
+    });
   }
 };
 #endif
