@@ -38,6 +38,15 @@ using mhmoe_native::swiglu_forward;
 enum Gemm : int64_t { kAten = 0, kDot = 1, kAmx = 2 };
 
 #ifdef MHMOE_DOT_GEMM
+// n 32-bit elements of per-thread scratch `buf` (grown as needed), starting on a cache line: a std::vector's buffer is
+// only 16-byte aligned, and the own kernels' 64-byte tile and vector loads from a misaligned one each touch two lines
+// (the AMX kernel ran at about half speed in the processes whose large buffers the allocator placed so).
+inline uint32_t* cache_aligned(std::vector<uint32_t>& buf, int64_t n) {
+  if ((int64_t)buf.size() < n + 16) buf.resize(n + 16);
+  const auto p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<uint32_t*>((p + 63) & ~uintptr_t{63});
+}
+
 // The own kernels' right operand B [K, N] (row-major, or a transposed view of a row-major matrix with K even and rows
 // 4-byte aligned), packed into K-pairs and used one column panel at a time, each small enough to stay in L2 from its
 // packing to its last use (a whole [768, 2048] weight packed at once would be read back from L3 or memory). Called
@@ -53,18 +62,17 @@ void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body) {
   if (threads > 1) NP = std::min(NP, std::max<int64_t>(NB, (N / threads + NB - 1) / NB * NB));
   const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
   const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1)
-    thread_local std::vector<uint32_t> pb;  // per thread, grown as needed
-    if ((int64_t)pb.size() < KK * NP) pb.resize(KK * NP);
+    thread_local std::vector<uint32_t> scratch;
+    uint32_t* pb = cache_aligned(scratch, KK * NP);
     [[maybe_unused]] Scope scope;
     for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
       const int64_t np = std::min(NP, N - n0);
       if (b.stride(1) == 1)
-        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb.data());
+        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb);
       else
-        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np,
-                           pb.data());
-      std::fill(pb.begin() + KKb * np, pb.begin() + KK * np, 0u);
-      body(n0, np, static_cast<const uint32_t*>(pb.data()));
+        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np, pb);
+      std::fill(pb + KKb * np, pb + KK * np, 0u);
+      body(n0, np, static_cast<const uint32_t*>(pb));
     }
   };
   const int64_t count = (N + NP - 1) / NP;
@@ -105,11 +113,11 @@ struct DotGemm {
     const int64_t pf_bytes = hint ? next.numel() * next.element_size() : 0;
     const uint32_t* A = reinterpret_cast<const uint32_t*>(ap);
     int64_t a_row = a.stride(0) / 2, a_k = 1;
-    thread_local std::vector<uint32_t> pa;  // per thread, grown as needed
+    thread_local std::vector<uint32_t> scratch;
     if (a.stride(0) == 1) {  // a = t.t() for a row-major t [K, M]: t's rows in pairs, element (i, kk) at kk * M + i
-      if ((int64_t)pa.size() < KK * M) pa.resize(KK * M);
-      dg::pack_row_pairs(ap, a.stride(1), K, M, pa.data());
-      A = pa.data(), a_row = 1, a_k = M;
+      uint32_t* pa = cache_aligned(scratch, KK * M);
+      dg::pack_row_pairs(ap, a.stride(1), K, M, pa);
+      A = pa, a_row = 1, a_k = M;
     }
     for_b_panels<NoScope>(b, KK, dg::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
       const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
@@ -158,14 +166,14 @@ struct AmxGemm {
       }
     } else if (a.stride(0) == 1) {  // a = t.t(), t [K, M] row-major: t's rows in pairs, then those transposed
       const int64_t Mp = (M + ag::MB - 1) / ag::MB * ag::MB, KKa = (K + 1) / 2;
-      thread_local std::vector<uint32_t> pairs;
-      if ((int64_t)pairs.size() < KK * M) pairs.resize(KK * M);
+      thread_local std::vector<uint32_t> scratch;
+      uint32_t* pairs = cache_aligned(scratch, KK * M);
       dg::pack_row_pairs(reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), a.stride(1), K, M,
-                         pairs.data());
-      std::fill(pairs.begin() + KKa * M, pairs.begin() + KK * M, 0u);
+                         pairs);
+      std::fill(pairs + KKa * M, pairs + KK * M, 0u);
       padded = at::empty({Mp, Kp}, a.options());
       auto* rows = reinterpret_cast<uint32_t*>(padded.mutable_data_ptr<at::BFloat16>());
-      dg::pack_col_pairs(pairs.data(), M, M, KK, rows);  // [KK][M] pairs -> [M][KK]: A's rows, K zero-padded
+      dg::pack_col_pairs(pairs, M, M, KK, rows);  // [KK][M] pairs -> [M][KK]: A's rows, K zero-padded
       std::fill(rows + M * KK, rows + Mp * KK, 0u);
       A = reinterpret_cast<const uint16_t*>(rows);
       tail = A + full * Kp;
