@@ -369,7 +369,8 @@ def _operand(kind, rows, cols, gen):
 @pytest.mark.skipif(native.expert_ops(torch.bfloat16) is None, reason="C++ CPU expert loop not built here")
 @pytest.mark.parametrize("M, K, N", [(1, 2, 32), (7, 64, 32), (8, 64, 64), (9, 130, 96), (33, 5, 64), (200, 37, 32),
                                      (17, 256, 512), (3, 1, 32), (12, 64, 40), (16, 34, 48),
-                                     (20, 1030, 160), (9, 2049, 96)])  # B in several column panels (L2_B)
+                                     (20, 1030, 160), (9, 2049, 96),  # B in several column panels (L2_B)
+                                     (16, 96, 32), (48, 64, 64), (112, 2048, 96)])  # AMX: 16-row blocks in place
 @pytest.mark.parametrize("a_kind, b_kind", [("rows", "rows"), ("rows", "transposed"), ("transposed", "rows"),
                                             ("strided", "rows"), ("strided", "transposed"),
                                             ("transposed", "transposed")])

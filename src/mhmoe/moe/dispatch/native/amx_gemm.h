@@ -55,27 +55,36 @@ MHMOE_AMX_TARGET inline void configure() {
   _tile_loadconfig(&cfg);
 }
 
-// c[32][32] fp32 = A[32 rows, Kp] · P[Kp / 2 pair rows][32 columns at n]; A rows of stride lda, P rows of N pairs.
+// c[16 * MT][32] fp32 = A[16 * MT rows, Kp] · P[Kp / 2 pair rows][32 columns at n]; A rows of stride lda, P rows of N
+// pairs. MT = 2: a whole 32-row block; MT = 1: a 16-row one (the last rows of an M that is 16 more than a multiple of 32,
+// read in place instead of copied into a padded block).
+template <int MT>
 MHMOE_AMX_TARGET inline void block(const uint16_t* A, int64_t lda, const uint32_t* P, int64_t N, int64_t Kp,
                                    float* c) {
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (MT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t k = 0; k < Kp; k += KB) {
     _tile_loadd(4, A + k, lda * 2);
-    _tile_loadd(5, A + 16 * lda + k, lda * 2);
     _tile_loadd(6, P + (k / 2) * N, N * 4);
     _tile_loadd(7, P + (k / 2) * N + 16, N * 4);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (MT == 2) {
+      _tile_loadd(5, A + 16 * lda + k, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, c, NB * 4);
   _tile_stored(1, c + 16, NB * 4);
-  _tile_stored(2, c + 16 * NB, NB * 4);
-  _tile_stored(3, c + 16 * NB + 16, NB * 4);
+  if constexpr (MT == 2) {
+    _tile_stored(2, c + 16 * NB, NB * 4);
+    _tile_stored(3, c + 16 * NB + 16, NB * 4);
+  }
 }
 
 // out[rows, 32] (row stride ldo) = bf16(c) (add: bf16(fp32(out) + c), rounded once as addmm_); c [32][32] fp32.
@@ -99,18 +108,30 @@ MHMOE_AMX_TARGET inline void store(const float* c, int64_t rows, uint16_t* out, 
 }
 
 // out[M, N] (row stride ldo, bf16; N a multiple of 32) = A · P (add: out + A · P), A row-major [M, Kp] (stride lda)
-// except that the last M % 32 rows may come from `tail` instead: a [32, Kp] block of zero-padded rows (the caller's
-// copy of A's last rows, or null where M % 32 = 0). The caller has configured the tiles.
+// except, where M is not a multiple of 16, its last M % 32 rows: those come from `tail`, a [32, Kp] block of
+// zero-padded rows (the caller's copy of them; null where M % 16 = 0). `next` (bytes `next_bytes`, may be null):
+// memory the caller reads next (the next weight matrix), pulled into L2 a few lines per block while this GEMM
+// computes. The caller has configured the tiles.
 MHMOE_AMX_TARGET inline void gemm(const uint16_t* A, int64_t lda, const uint16_t* tail, const uint32_t* P, int64_t M,
-                                  int64_t N, int64_t Kp, uint16_t* out, int64_t ldo, bool add, bool stream) {
+                                  int64_t N, int64_t Kp, uint16_t* out, int64_t ldo, bool add, bool stream,
+                                  const void* next = nullptr, int64_t next_bytes = 0) {
   stream = stream && !add && reinterpret_cast<uintptr_t>(out) % 64 == 0 && (ldo * 2) % 64 == 0;
+  const int64_t blocks = ((M + MB - 1) / MB) * (N / NB), lines = (next_bytes + 63) / 64;
+  const int64_t per_block = blocks > 0 ? (lines + blocks - 1) / blocks : 0;
+  const char* pf = static_cast<const char*>(next);
+  const char* pf_end = pf + lines * 64;
   alignas(64) float c[MB * NB];
   for (int64_t m = 0; m < M; m += MB) {
     const int64_t rows = std::min(MB, M - m);
-    const uint16_t* a = rows == MB ? A + m * lda : tail;
-    const int64_t la = rows == MB ? lda : Kp;
+    const bool whole = rows % 16 == 0;
+    const uint16_t* a = whole ? A + m * lda : tail;
+    const int64_t la = whole ? lda : Kp;
     for (int64_t n = 0; n < N; n += NB) {
-      block(a, la, P + n, N, Kp, c);
+      for (int64_t l = 0; l < per_block && pf < pf_end; ++l, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      if (rows > 16)
+        block<2>(a, la, P + n, N, Kp, c);
+      else
+        block<1>(a, la, P + n, N, Kp, c);
       store(c, rows, out + m * ldo + n, ldo, add, stream);
     }
   }

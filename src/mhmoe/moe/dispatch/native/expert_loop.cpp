@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -84,6 +85,13 @@ void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body) {
 
 struct NoScope {};
 
+// The bytes of `next` (what the caller reads after this GEMM: the next weight matrix) for the own kernels to pull
+// into the cache during it, where it is one contiguous block; else none.
+inline std::pair<const char*, int64_t> prefetch_hint(const Tensor& next) {
+  if (!next.defined() || !next.is_contiguous()) return {nullptr, 0};
+  return {static_cast<const char*>(next.const_data_ptr()), next.numel() * next.element_size()};
+}
+
 // bf16 GEMMs on the AVX-512 BF16 dot-product kernel of dot_gemm.h: out [M, N] contiguous, N a multiple of 32; the
 // left operand row-major (its pairs read in place; K even, rows 4-byte aligned) or a transposed view (packed: the
 // weight gradients' X^T, K the expert's rows, odd counts padded with a zero pair); the right one row-major or a
@@ -108,9 +116,7 @@ struct DotGemm {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
     const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-    const bool hint = next.defined() && next.is_contiguous();
-    const auto* pf = hint ? static_cast<const char*>(next.const_data_ptr()) : nullptr;
-    const int64_t pf_bytes = hint ? next.numel() * next.element_size() : 0;
+    const auto [pf, pf_bytes] = prefetch_hint(next);
     const uint32_t* A = reinterpret_cast<const uint32_t*>(ap);
     int64_t a_row = a.stride(0) / 2, a_k = 1;
     thread_local std::vector<uint32_t> scratch;
@@ -129,9 +135,10 @@ struct DotGemm {
 
 #ifdef MHMOE_AMX_GEMM
 // bf16 GEMMs on AMX tiles (amx_gemm.h): out [M, N] contiguous, N a multiple of 32; the left operand any layout (read
-// in place when row-major with K a multiple of 32, but for its last M % 32 rows; else copied into a zero-padded
-// block, a transposed view made contiguous first); the right one row-major or a transposed view of a row-major
-// matrix (K even, rows 4-byte aligned), packed into pairs panel by panel as DotGemm does.
+// in place when row-major with K a multiple of 32, but, where M is not a multiple of 16, for its last M % 32 rows;
+// else copied into a zero-padded block, a transposed view made contiguous first); the right one row-major or a
+// transposed view of a row-major matrix (K even, rows 4-byte aligned), packed into pairs panel by panel
+// (for_b_panels).
 // The AMX tile configuration, loaded for a thread's panels and released after them.
 struct TileScope {
   TileScope() { mhmoe_native::amx_gemm::configure(); }
@@ -146,7 +153,7 @@ struct AmxGemm {
            b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && (b_rows || b_cols) &&
            N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
-  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, bool stream) {
+  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
     RECORD_FUNCTION("mhmoe::amx_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
     namespace ag = mhmoe_native::amx_gemm;
     namespace dg = mhmoe_native::dot_gemm;
@@ -159,7 +166,7 @@ struct AmxGemm {
     int64_t lda = Kp;
     if (a.stride(1) == 1 && K % ag::KB == 0) {
       A = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), lda = a.stride(0);
-      if (full < M) {
+      if (M % 16 != 0) {  // rows the tiles cannot read in place
         padded = at::zeros({ag::MB, Kp}, a.options());
         padded.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
         tail = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
@@ -184,21 +191,23 @@ struct AmxGemm {
       tail = A + full * Kp;
     }
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+    const auto [pf, pf_bytes] = prefetch_hint(next);
     for_b_panels<TileScope>(b, KK, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
-      ag::gemm(A, lda, tail, pb, M, np, Kp, o + n0, N, add, stream);
+      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
+      ag::gemm(A, lda, tail, pb, M, np, Kp, o + n0, N, add, stream, pf ? pf + pf0 : nullptr, pf1 - pf0);
     });
   }
 };
 #endif
 
 // out = a · b (add: out += a · b, rounded once as addmm_) where `gemm` says, where that kernel fits; else ATen's.
-// Hints for the kDot kernel: `next`, what the caller reads after this GEMM (the next weight matrix), pulled into the
+// Hints for the own kernels: `next`, what the caller reads after this GEMM (the next weight matrix), pulled into the
 // cache during it; `stream`, an output not read again soon (the weight gradients), written around the cache.
 void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm, const Tensor& next = Tensor(),
             bool stream = false) {
 #ifdef MHMOE_AMX_GEMM
   if (gemm == kAmx && AmxGemm::fits(out, a, b)) {
-    AmxGemm::run(out, a, b, add, stream);
+    AmxGemm::run(out, a, b, add, next, stream);
     return;
   }
 #endif
