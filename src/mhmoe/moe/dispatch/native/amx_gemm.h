@@ -58,9 +58,10 @@ MHMOE_AMX_TARGET inline void configure() {
 // c[16 * MT][32] fp32 = A[16 * MT rows, Kp] · P[Kp / 2 pair rows][32 columns at n]; A rows of stride lda, P rows of N
 // pairs. MT = 2: a whole 32-row block; MT = 1: a 16-row one (the last rows of an M that is 16 more than a multiple of 32,
 // read in place instead of copied into a padded block).
+// `per_step` lines of [pf, pf_end) are prefetched into L2 at every K step (advancing pf).
 template <int MT>
 MHMOE_AMX_TARGET inline void block(const uint16_t* A, int64_t lda, const uint32_t* P, int64_t N, int64_t Kp,
-                                   float* c) {
+                                   float* c, const char*& pf, const char* pf_end, int64_t per_step) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (MT == 2) {
@@ -68,6 +69,7 @@ MHMOE_AMX_TARGET inline void block(const uint16_t* A, int64_t lda, const uint32_
     _tile_zero(3);
   }
   for (int64_t k = 0; k < Kp; k += KB) {
+    for (int64_t l = 0; l < per_step && pf < pf_end; ++l, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
     _tile_loadd(4, A + k, lda * 2);
     _tile_loadd(6, P + (k / 2) * N, N * 4);
     _tile_loadd(7, P + (k / 2) * N + 16, N * 4);
@@ -110,14 +112,15 @@ MHMOE_AMX_TARGET inline void store(const float* c, int64_t rows, uint16_t* out, 
 // out[M, N] (row stride ldo, bf16; N a multiple of 32) = A · P (add: out + A · P), A row-major [M, Kp] (stride lda)
 // except, where M is not a multiple of 16, its last M % 32 rows: those come from `tail`, a [32, Kp] block of
 // zero-padded rows (the caller's copy of them; null where M % 16 = 0). `next` (bytes `next_bytes`, may be null):
-// memory the caller reads next (the next weight matrix), pulled into L2 a few lines per block while this GEMM
-// computes. The caller has configured the tiles.
+// memory the caller reads next (the next weight matrix), pulled into L2 a line or two per K step while this GEMM
+// computes (the packing of a cold weight otherwise waits on memory; bursts of prefetches stalled the tiles). The
+// caller has configured the tiles.
 MHMOE_AMX_TARGET inline void gemm(const uint16_t* A, int64_t lda, const uint16_t* tail, const uint32_t* P, int64_t M,
                                   int64_t N, int64_t Kp, uint16_t* out, int64_t ldo, bool add, bool stream,
                                   const void* next = nullptr, int64_t next_bytes = 0) {
   stream = stream && !add && reinterpret_cast<uintptr_t>(out) % 64 == 0 && (ldo * 2) % 64 == 0;
-  const int64_t blocks = ((M + MB - 1) / MB) * (N / NB), lines = (next_bytes + 63) / 64;
-  const int64_t per_block = blocks > 0 ? (lines + blocks - 1) / blocks : 0;
+  const int64_t steps = ((M + MB - 1) / MB) * (N / NB) * (Kp / KB), lines = (next_bytes + 63) / 64;
+  const int64_t per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
   const char* pf = static_cast<const char*>(next);
   const char* pf_end = pf + lines * 64;
   alignas(64) float c[MB * NB];
@@ -127,11 +130,10 @@ MHMOE_AMX_TARGET inline void gemm(const uint16_t* A, int64_t lda, const uint16_t
     const uint16_t* a = whole ? A + m * lda : tail;
     const int64_t la = whole ? lda : Kp;
     for (int64_t n = 0; n < N; n += NB) {
-      for (int64_t l = 0; l < per_block && pf < pf_end; ++l, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
       if (rows > 16)
-        block<2>(a, la, P + n, N, Kp, c);
+        block<2>(a, la, P + n, N, Kp, c, pf, pf_end, per_step);
       else
-        block<1>(a, la, P + n, N, Kp, c);
+        block<1>(a, la, P + n, N, Kp, c, pf, pf_end, per_step);
       store(c, rows, out + m * ldo + n, ldo, add, stream);
     }
   }
