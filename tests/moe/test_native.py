@@ -458,7 +458,8 @@ def test_dot_gemm_kernel_runs_where_the_cpu_has_it():
 @pytest.mark.skipif(native.expert_ops(torch.bfloat16) is None or native.cpu_isa() != "amx",
                     reason="needs a CPU with AMX and the C++ loop")
 def test_amx_gemm_kernel_runs_where_the_cpu_has_it():
-    """On a CPU with AMX, gemm=2 runs on the tiles (its profiler label), and `own_gemm` names that kernel."""
+    """On a CPU with AMX, gemm=2 runs on the tiles (its profiler label), a SwiGLU up-projection in one call, and
+    `own_gemm` names that kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     a, b = torch.randn(16, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16)
@@ -467,6 +468,10 @@ def test_amx_gemm_kernel_runs_where_the_cpu_has_it():
         native.expert_ops(torch.bfloat16).expert_matmul(a, b, out, False, native.GEMM_AMX, False)
     assert [ev.name for ev in prof.events()].count("mhmoe::amx_gemm") == 1
     assert native.own_gemm() == native.GEMM_AMX
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # a SwiGLU up-projection: one fused pass
+        native.expert_ops(torch.bfloat16).expert_glu_up(a, b, b, None, None, out, native.GEMM_AMX)
+    names = [ev.name for ev in prof.events()]
+    assert names.count("mhmoe::amx_gemm") == 1 and "mhmoe::swiglu_forward" not in names
 
 
 @pytest.mark.skipif(not DOT_CPU, reason="needs a CPU with native bf16 and the C++ loop")
@@ -490,3 +495,25 @@ def test_dot_gemm_spreads_its_panels_over_threads_outside_the_lanes(b_kind, gemm
     exact = a.double() @ b.double()
     assert ((outs[0].double() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2**-7).all()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(native.expert_ops(torch.bfloat16) is None, reason="C++ CPU expert loop not built here")
+@pytest.mark.parametrize("M, K, N", [(1, 64, 32), (16, 96, 64), (37, 256, 512), (48, 40, 96), (200, 768, 1024)])
+@pytest.mark.parametrize("gemm", [native.GEMM_ATEN, native.GEMM_DOT, native.GEMM_AMX])
+@pytest.mark.parametrize("keep", [True, False])
+def test_glu_up_projection_matches_its_gemms_and_activation(M, K, N, gemm, keep):
+    """A SwiGLU expert's up-projection as the loop runs it (on AMX: both GEMMs and the activation in one pass over
+    the output blocks) gives the bits of its two GEMMs on the same kernel (expert_matmul) and of silu(h1) * h3 over
+    them (the Python loop's bf16 ops), with the pre-activations kept or not; M not a multiple of 16, K not of 32."""
+    gen = torch.Generator().manual_seed(M + K + N)
+    ops = native.expert_ops(torch.bfloat16)
+    x, w1, w3 = _bf16(M, K, gen=gen), _bf16(K, N, gen=gen, scale=K**-0.5), _bf16(K, N, gen=gen, scale=K**-0.5)
+    h1, h3 = torch.empty(M, N, dtype=torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
+    act = torch.empty(M, N, dtype=torch.bfloat16)
+    ops.expert_glu_up(x, w1, w3, h1 if keep else None, h3 if keep else None, act, gemm)
+    r1, r3 = torch.empty_like(h1), torch.empty_like(h3)
+    ops.expert_matmul(x, w1, r1, False, gemm, False)
+    ops.expert_matmul(x, w3, r3, False, gemm, False)
+    if keep:
+        assert torch.equal(h1, r1) and torch.equal(h3, r3)
+    assert torch.equal(act, torch.nn.functional.silu(r1).mul_(r3))

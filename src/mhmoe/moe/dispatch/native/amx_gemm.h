@@ -109,9 +109,40 @@ MHMOE_AMX_TARGET inline void store(const float* c, int64_t rows, uint16_t* out, 
   }
 }
 
-// out[M, N] (row stride ldo, bf16; N a multiple of 32) = A · P (add: out + A · P), A row-major [M, Kp] (stride lda)
+// The prefetch of `next` (bytes `next_bytes`, may be null: memory the caller reads next, the next weight matrix),
+// spread over a GEMM's `steps` K steps.
+struct Prefetch {
+  const char* pf;
+  const char* end;
+  int64_t per_step;
+  Prefetch(const void* next, int64_t next_bytes, int64_t steps)
+      : pf(static_cast<const char*>(next)), end(pf + (next_bytes + 63) / 64 * 64),
+        per_step(steps > 0 ? ((next_bytes + 63) / 64 + steps - 1) / steps : 0) {}
+};
+
+// Calls f(a, la, rows, m, n) for every 32 x 32 output block of an [M, N] product with A row-major [M, Kp] (stride lda)
 // except, where M is not a multiple of 16, its last M % 32 rows: those come from `tail`, a [32, Kp] block of
-// zero-padded rows (the caller's copy of them; null where M % 16 = 0). `next` (bytes `next_bytes`, may be null):
+// zero-padded rows (the caller's copy of them; null where M % 16 = 0). a, la: the block's rows and their stride.
+template <class F>
+MHMOE_AMX_TARGET inline void for_blocks(const uint16_t* A, int64_t lda, const uint16_t* tail, int64_t M, int64_t N,
+                                        int64_t Kp, const F& f) {
+  for (int64_t m = 0; m < M; m += MB) {
+    const int64_t rows = std::min(MB, M - m);
+    const bool whole = rows % 16 == 0;
+    for (int64_t n = 0; n < N; n += NB) f(whole ? A + m * lda : tail, whole ? lda : Kp, rows, m, n);
+  }
+}
+
+// c [rows][32] fp32 = a [rows, Kp] · P's 32 columns at n (see block)
+MHMOE_AMX_TARGET inline void block_rows(const uint16_t* a, int64_t la, int64_t rows, const uint32_t* P, int64_t N,
+                                        int64_t Kp, float* c, Prefetch& pf) {
+  if (rows > 16)
+    block<2>(a, la, P, N, Kp, c, pf.pf, pf.end, pf.per_step);
+  else
+    block<1>(a, la, P, N, Kp, c, pf.pf, pf.end, pf.per_step);
+}
+
+// out[M, N] (row stride ldo, bf16; N a multiple of 32) = A · P (add: out + A · P), A as for_blocks takes it. `next`:
 // memory the caller reads next (the next weight matrix), pulled into L2 a line or two per K step while this GEMM
 // computes (the packing of a cold weight otherwise waits on memory; bursts of prefetches stalled the tiles). The
 // caller has configured the tiles.
@@ -119,24 +150,57 @@ MHMOE_AMX_TARGET inline void gemm(const uint16_t* A, int64_t lda, const uint16_t
                                   int64_t N, int64_t Kp, uint16_t* out, int64_t ldo, bool add, bool stream,
                                   const void* next = nullptr, int64_t next_bytes = 0) {
   stream = stream && !add && reinterpret_cast<uintptr_t>(out) % 64 == 0 && (ldo * 2) % 64 == 0;
-  const int64_t steps = ((M + MB - 1) / MB) * (N / NB) * (Kp / KB), lines = (next_bytes + 63) / 64;
-  const int64_t per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
-  const char* pf = static_cast<const char*>(next);
-  const char* pf_end = pf + lines * 64;
+  Prefetch pf(next, next_bytes, ((M + MB - 1) / MB) * (N / NB) * (Kp / KB));
   alignas(64) float c[MB * NB];
-  for (int64_t m = 0; m < M; m += MB) {
-    const int64_t rows = std::min(MB, M - m);
-    const bool whole = rows % 16 == 0;
-    const uint16_t* a = whole ? A + m * lda : tail;
-    const int64_t la = whole ? lda : Kp;
-    for (int64_t n = 0; n < N; n += NB) {
-      if (rows > 16)
-        block<2>(a, la, P + n, N, Kp, c, pf, pf_end, per_step);
-      else
-        block<1>(a, la, P + n, N, Kp, c, pf, pf_end, per_step);
-      store(c, rows, out + m * ldo + n, ldo, add, stream);
-    }
+  for_blocks(A, lda, tail, M, N, Kp, [&](const uint16_t* a, int64_t la, int64_t rows, int64_t m, int64_t n) {
+    block_rows(a, la, rows, P + n, N, Kp, c, pf);
+    store(c, rows, out + m * ldo + n, ldo, add, stream);
+  });
+  if (stream) _mm_sfence();
+}
+
+// r [rows][32] bf16 = c [rows][32] fp32 rounded (as store rounds it)
+MHMOE_AMX_TARGET inline void round_rows(const float* c, int64_t rows, uint16_t* r) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 lo = _mm512_load_ps(c + i * NB), hi = _mm512_load_ps(c + i * NB + 16);
+    _mm512_store_si512(r + i * NB, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
+}
+
+// out's rows [rows][32] (row stride ldo) = r [rows][32] bf16; `stream`: around the cache (64-byte aligned rows)
+MHMOE_AMX_TARGET inline void copy_rows(const uint16_t* r, int64_t rows, uint16_t* out, int64_t ldo, bool stream) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512i v = _mm512_load_si512(r + i * NB);
+    if (stream)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i * ldo), v);
+    else
+      _mm512_storeu_si512(out + i * ldo, v);
+  }
+}
+
+// A SwiGLU expert's up-projection in one pass over the output blocks: h1 = A · P1 and h3 = A · P3, each rounded to
+// bf16 as gemm rounds it and written where h1 / h3 are non-null (row stride ldo; past the cache: the backward reads
+// them much later), and for every block the caller's epilogue act(r1, r3, rows, m, n) on the rounded blocks r1, r3
+// [rows][32] (the activation silu(h1) * h3, from the numbers a separate pass would read back). A as for_blocks
+// takes it; `next` as for gemm. The caller has configured the tiles.
+template <class Act>
+MHMOE_AMX_TARGET inline void gemm_glu(const uint16_t* A, int64_t lda, const uint16_t* tail, const uint32_t* P1,
+                                      const uint32_t* P3, int64_t M, int64_t N, int64_t Kp, uint16_t* h1, uint16_t* h3,
+                                      int64_t ldo, const void* next, int64_t next_bytes, const Act& act) {
+  const bool stream = (ldo * 2) % 64 == 0 && reinterpret_cast<uintptr_t>(h1) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(h3) % 64 == 0;
+  Prefetch pf(next, next_bytes, 2 * ((M + MB - 1) / MB) * (N / NB) * (Kp / KB));
+  alignas(64) float c[MB * NB];
+  alignas(64) uint16_t r1[MB * NB], r3[MB * NB];
+  for_blocks(A, lda, tail, M, N, Kp, [&](const uint16_t* a, int64_t la, int64_t rows, int64_t m, int64_t n) {
+    block_rows(a, la, rows, P1 + n, N, Kp, c, pf);
+    round_rows(c, rows, r1);
+    block_rows(a, la, rows, P3 + n, N, Kp, c, pf);
+    round_rows(c, rows, r3);
+    if (h1) copy_rows(r1, rows, h1 + m * ldo + n, ldo, stream);
+    if (h3) copy_rows(r3, rows, h3 + m * ldo + n, ldo, stream);
+    act(r1, r3, rows, m, n);
+  });
   if (stream) _mm_sfence();
 }
 

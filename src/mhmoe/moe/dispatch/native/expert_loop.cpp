@@ -48,31 +48,39 @@ inline uint32_t* cache_aligned(std::vector<uint32_t>& buf, int64_t n) {
   return reinterpret_cast<uint32_t*>((p + 63) & ~uintptr_t{63});
 }
 
-// The own kernels' right operand B [K, N] (row-major, or a transposed view of a row-major matrix with K even and rows
-// 4-byte aligned), packed into K-pairs and used one column panel at a time, each small enough to stay in L2 from its
-// packing to its last use (a whole [768, 2048] weight packed at once would be read back from L3 or memory). Called
-// outside a parallel region (the loop with one lane), the panels are spread over the intra-op threads, at least one
-// each. body(n0, np, pb) gets B's columns [n0, n0 + np) as [KK][np] pairs in per-thread scratch, the pair rows past
-// K's zero; NB divides every panel's width but the last; a Scope object lives around each thread's panels.
-template <class Scope, class Body>
-void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body) {
+// Columns [n0, n0 + np) of the own kernels' right operand B [K, N] (row-major, or a transposed view of a row-major
+// matrix with K even and rows 4-byte aligned) as K-pairs into P [KK][np], the pair rows past K's zero.
+inline void pack_b_panel(const Tensor& b, int64_t n0, int64_t np, int64_t KK, uint32_t* P) {
   namespace dg = mhmoe_native::dot_gemm;
-  const int64_t K = b.size(0), N = b.size(1), KKb = (K + 1) / 2;  // KKb pair rows hold B
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  int64_t NP = std::min(N, std::max<int64_t>(NB, dg::L2_B / (KK * 4) / NB * NB));
-  if (threads > 1) NP = std::min(NP, std::max<int64_t>(NB, (N / threads + NB - 1) / NB * NB));
+  const int64_t K = b.size(0), KKb = (K + 1) / 2;  // KKb pair rows hold B
   const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
+  if (b.stride(1) == 1)
+    dg::pack_row_pairs(bp + n0, b.stride(0), K, np, P);
+  else
+    dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np, P);
+  std::fill(P + KKb * np, P + KK * np, 0u);
+}
+
+// B [K, N] (as pack_b_panel takes it) packed and used one column panel at a time, each small enough to stay in L2
+// from its packing to its last use, with `operands` such panels at once (a whole [768, 2048] weight packed at once
+// would be read back from L3 or memory). Called outside a parallel region (the loop with one lane), the panels are
+// spread over the intra-op threads, at least one each. body(n0, np, pb) gets B's columns [n0, n0 + np) packed
+// (pack_b_panel) in per-thread scratch; NB divides every panel's width but the last; a Scope object lives around
+// each thread's panels.
+template <class Scope, class Body>
+void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body, int64_t operands = 1) {
+  namespace dg = mhmoe_native::dot_gemm;
+  const int64_t N = b.size(1);
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t NP = std::min(N, std::max<int64_t>(NB, dg::L2_B / (KK * 4 * operands) / NB * NB));
+  if (threads > 1) NP = std::min(NP, std::max<int64_t>(NB, (N / threads + NB - 1) / NB * NB));
   const auto panels = [&](int64_t p0, int64_t p1) {  // column panels [p0, p1)
     thread_local std::vector<uint32_t> scratch;
     uint32_t* pb = cache_aligned(scratch, KK * NP);
     [[maybe_unused]] Scope scope;
     for (int64_t n0 = p0 * NP; n0 < std::min(N, p1 * NP); n0 += NP) {
       const int64_t np = std::min(NP, N - n0);
-      if (b.stride(1) == 1)
-        dg::pack_row_pairs(bp + n0, b.stride(0), K, np, pb);
-      else
-        dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np, pb);
-      std::fill(pb + KKb * np, pb + KK * np, 0u);
+      pack_b_panel(b, n0, np, KK, pb);
       body(n0, np, static_cast<const uint32_t*>(pb));
     }
   };
@@ -134,17 +142,17 @@ struct DotGemm {
 #endif
 
 #ifdef MHMOE_AMX_GEMM
-// bf16 GEMMs on AMX tiles (amx_gemm.h): out [M, N] contiguous, N a multiple of 32; the left operand any layout (read
-// in place when row-major with K a multiple of 32, but, where M is not a multiple of 16, for its last M % 32 rows;
-// else copied into a zero-padded block, a transposed view made contiguous first); the right one row-major or a
-// transposed view of a row-major matrix (K even, rows 4-byte aligned), packed into pairs panel by panel
-// (for_b_panels).
 // The AMX tile configuration, loaded for a thread's panels and released after them.
 struct TileScope {
   TileScope() { mhmoe_native::amx_gemm::configure(); }
   ~TileScope() { mhmoe_native::amx_gemm::release(); }
 };
 
+// bf16 GEMMs on AMX tiles (amx_gemm.h): out [M, N] contiguous, N a multiple of 32; the left operand any layout (read
+// in place when row-major with K a multiple of 32, but, where M is not a multiple of 16, for its last M % 32 rows;
+// else copied into a zero-padded block, a transposed view made contiguous first); the right one row-major or a
+// transposed view of a row-major matrix (K even, rows 4-byte aligned), packed into pairs panel by panel
+// (for_b_panels).
 struct AmxGemm {
   static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
     const int64_t K = a.size(1), N = b.size(1);
@@ -153,49 +161,96 @@ struct AmxGemm {
            b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && (b_rows || b_cols) &&
            N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
-  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
-    RECORD_FUNCTION("mhmoe::amx_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
-    namespace ag = mhmoe_native::amx_gemm;
-    namespace dg = mhmoe_native::dot_gemm;
-    const int64_t M = a.size(0), K = a.size(1), N = b.size(1), Kp = (K + ag::KB - 1) / ag::KB * ag::KB, KK = Kp / 2;
-    const int64_t full = M / ag::MB * ag::MB;
-    // A: in place (its last rows copied into a zero-padded block) or all of it copied, zero-padded to [Mp, Kp]
+  // The left operand as the tiles read it: A row-major [.., Kp] (stride lda), in place or a zero-padded copy, and
+  // `tail`, where M is not a multiple of 16, a zero-padded copy of its last M % 32 rows (amx_gemm::for_blocks).
+  struct Left {
     Tensor padded;
     const uint16_t* A = nullptr;
     const uint16_t* tail = nullptr;
-    int64_t lda = Kp;
+    int64_t lda = 0;
+  };
+  static Left left(const Tensor& a, int64_t Kp) {
+    namespace ag = mhmoe_native::amx_gemm;
+    namespace dg = mhmoe_native::dot_gemm;
+    const int64_t M = a.size(0), K = a.size(1), KK = Kp / 2, full = M / ag::MB * ag::MB;
+    Left l;
+    l.lda = Kp;
     if (a.stride(1) == 1 && K % ag::KB == 0) {
-      A = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), lda = a.stride(0);
+      l.A = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), l.lda = a.stride(0);
       if (M % 16 != 0) {  // rows the tiles cannot read in place
-        padded = at::zeros({ag::MB, Kp}, a.options());
-        padded.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
-        tail = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
+        l.padded = at::zeros({ag::MB, Kp}, a.options());
+        l.padded.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
+        l.tail = reinterpret_cast<const uint16_t*>(l.padded.const_data_ptr<at::BFloat16>());
       }
-    } else if (a.stride(0) == 1) {  // a = t.t(), t [K, M] row-major: t's rows in pairs, then those transposed
-      const int64_t Mp = (M + ag::MB - 1) / ag::MB * ag::MB, KKa = (K + 1) / 2;
+      return l;
+    }
+    const int64_t Mp = (M + ag::MB - 1) / ag::MB * ag::MB;
+    if (a.stride(0) == 1) {  // a = t.t(), t [K, M] row-major: t's rows in pairs, then those transposed
+      const int64_t KKa = (K + 1) / 2;
       thread_local std::vector<uint32_t> scratch;
       uint32_t* pairs = cache_aligned(scratch, KK * M);
       dg::pack_row_pairs(reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>()), a.stride(1), K, M,
                          pairs);
       std::fill(pairs + KKa * M, pairs + KK * M, 0u);
-      padded = at::empty({Mp, Kp}, a.options());
-      auto* rows = reinterpret_cast<uint32_t*>(padded.mutable_data_ptr<at::BFloat16>());
+      l.padded = at::empty({Mp, Kp}, a.options());
+      auto* rows = reinterpret_cast<uint32_t*>(l.padded.mutable_data_ptr<at::BFloat16>());
       dg::pack_col_pairs(pairs, M, M, KK, rows);  // [KK][M] pairs -> [M][KK]: A's rows, K zero-padded
       std::fill(rows + M * KK, rows + Mp * KK, 0u);
-      A = reinterpret_cast<const uint16_t*>(rows);
-      tail = A + full * Kp;
     } else {
-      padded = at::zeros({(M + ag::MB - 1) / ag::MB * ag::MB, Kp}, a.options());
-      padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
-      A = reinterpret_cast<const uint16_t*>(padded.const_data_ptr<at::BFloat16>());
-      tail = A + full * Kp;
+      l.padded = at::zeros({Mp, Kp}, a.options());
+      l.padded.narrow(0, 0, M).narrow(1, 0, K).copy_(a);
     }
+    l.A = reinterpret_cast<const uint16_t*>(l.padded.const_data_ptr<at::BFloat16>());
+    l.tail = l.A + full * Kp;
+    return l;
+  }
+  static int64_t padded_k(int64_t K) {
+    namespace ag = mhmoe_native::amx_gemm;
+    return (K + ag::KB - 1) / ag::KB * ag::KB;
+  }
+  static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
+    RECORD_FUNCTION("mhmoe::amx_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
+    namespace ag = mhmoe_native::amx_gemm;
+    const int64_t M = a.size(0), N = b.size(1), Kp = padded_k(a.size(1));
+    const Left l = left(a, Kp);
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
     const auto [pf, pf_bytes] = prefetch_hint(next);
-    for_b_panels<TileScope>(b, KK, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
+    for_b_panels<TileScope>(b, Kp / 2, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
       const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
-      ag::gemm(A, lda, tail, pb, M, np, Kp, o + n0, N, add, stream, pf ? pf + pf0 : nullptr, pf1 - pf0);
+      ag::gemm(l.A, l.lda, l.tail, pb, M, np, Kp, o + n0, N, add, stream, pf ? pf + pf0 : nullptr, pf1 - pf0);
     });
+  }
+  // A SwiGLU expert's up-projection and activation in one pass (amx_gemm::gemm_glu): h1 = x · w1 and h3 = x · w3
+  // (written where defined, else not kept), act = silu(h1) * h3 over the bf16 h1, h3, as swiglu_forward computes it
+  // from them (bit for bit); every output [C, F] contiguous, w1 and w3 laid out alike.
+  static bool fits_glu(const Tensor& act, const Tensor& x, const Tensor& w1, const Tensor& w3) {
+    return fits(act, x, w1) && w3.strides() == w1.strides();
+  }
+  static void run_glu(const Tensor& h1, const Tensor& h3, Tensor& act, const Tensor& x, const Tensor& w1,
+                      const Tensor& w3, const Tensor& next) {
+    RECORD_FUNCTION("mhmoe::amx_gemm", std::vector<c10::IValue>());
+    namespace ag = mhmoe_native::amx_gemm;
+    using mhmoe_native::swiglu_forward;
+    const int64_t M = x.size(0), N = w1.size(1), Kp = padded_k(x.size(1)), KK = Kp / 2;
+    const Left l = left(x, Kp);
+    auto* o1 = h1.defined() ? reinterpret_cast<uint16_t*>(h1.data_ptr<at::BFloat16>()) : nullptr;
+    auto* o3 = h3.defined() ? reinterpret_cast<uint16_t*>(h3.data_ptr<at::BFloat16>()) : nullptr;
+    auto* a = act.mutable_data_ptr<at::BFloat16>();
+    const auto [pf, pf_bytes] = prefetch_hint(next);
+    for_b_panels<TileScope>(w1, KK, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* p1) {
+      thread_local std::vector<uint32_t> scratch;  // w3's panel beside w1's
+      uint32_t* p3 = cache_aligned(scratch, KK * np);
+      pack_b_panel(w3, n0, np, KK, p3);
+      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;
+      const auto epilogue = [&](const uint16_t* r1, const uint16_t* r3, int64_t rows, int64_t m, int64_t n) {
+        for (int64_t i = 0; i < rows; ++i)
+          swiglu_forward<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(r1 + i * ag::NB),
+                                       reinterpret_cast<const at::BFloat16*>(r3 + i * ag::NB),
+                                       a + (m + i) * N + n0 + n, ag::NB);
+      };
+      ag::gemm_glu(l.A, l.lda, l.tail, p1, p3, M, np, Kp, o1 ? o1 + n0 : nullptr, o3 ? o3 + n0 : nullptr, N,
+                   pf ? pf + pf0 : nullptr, pf1 - pf0, epilogue);
+    }, 2);
   }
 };
 #endif
@@ -221,6 +276,19 @@ void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm
     out.addmm_(a, b);
   else
     at::mm_out(out, a, b);
+}
+
+// A SwiGLU expert's up-projection and activation in one pass where the AMX kernel runs them (AmxGemm::run_glu: a1,
+// a3 written only when `keep`, act = silu(a1) * a3 as the separate pass computes it); false where it does not.
+bool fused_glu_up(const Tensor& a1, const Tensor& a3, Tensor& act, const Tensor& x, const Tensor& w1,
+                  const Tensor& w3, const Tensor& next, bool keep, int64_t gemm) {
+#ifdef MHMOE_AMX_GEMM
+  if (gemm == kAmx && AmxGemm::fits_glu(act, x, w1, w3)) {
+    AmxGemm::run_glu(keep ? a1 : Tensor(), keep ? a3 : Tensor(), act, x, w1, w3, next);
+    return true;
+  }
+#endif
+  return false;
 }
 
 // The non-empty experts, longest first, and the lanes (threads) that run them: each lane takes the next expert of
@@ -332,16 +400,19 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
       const auto& own = scratch[lane];
       Tensor x = xs.narrow(0, r0, C);
       Tensor a1 = keep ? h1->narrow(0, r0, C) : own[0].narrow(0, 0, C);
-      matmul(a1, x, w1[e], false, gemm, glu ? (*w3)[e] : w2[e]);
       Tensor act;
       if (glu) {
         Tensor a3 = keep ? h3->narrow(0, r0, C) : own[1].narrow(0, 0, C);
-        matmul(a3, x, (*w3)[e], false, gemm, w2[e]);
         act = keep ? own[0].narrow(0, 0, C) : a3;  // without buffers to keep, over h3 (read before written)
-        RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
-        swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
-                                 act.mutable_data_ptr<scalar_t>(), a1.numel());
+        if (!fused_glu_up(a1, a3, act, x, w1[e], (*w3)[e], w2[e], keep, gemm)) {
+          matmul(a1, x, w1[e], false, gemm, (*w3)[e]);
+          matmul(a3, x, (*w3)[e], false, gemm, w2[e]);
+          RECORD_FUNCTION("mhmoe::swiglu_forward", std::vector<c10::IValue>());
+          swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
+                                   act.mutable_data_ptr<scalar_t>(), a1.numel());
+        }
       } else {
+        matmul(a1, x, w1[e], false, gemm, w2[e]);
         act = keep ? own[0].narrow(0, 0, C) : a1;
         at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
@@ -437,6 +508,29 @@ void expert_matmul(const Tensor& a, const Tensor& b, Tensor out, bool add, int64
   matmul(out, a, b, add, gemm, Tensor(), stream);
 }
 
+// act = silu(x · w1) * (x · w3), the pre-activations kept in h1 / h3 where given: a SwiGLU expert's up-projection as
+// the loop runs it on `gemm` (on AMX in one pass, fused_glu_up), for the tests and the benchmarks. x [C, D]; w1, w3
+// [D, F]; h1, h3, act [C, F] contiguous.
+void expert_glu_up(const Tensor& x, const Tensor& w1, const Tensor& w3, std::optional<Tensor> h1,
+                   std::optional<Tensor> h3, Tensor act, int64_t gemm) {
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 2 && w1.sizes() == w3.sizes() && x.size(1) == w1.size(0) &&
+              act.sizes() == at::IntArrayRef({x.size(0), w1.size(1)}) && act.is_contiguous(), "expert_glu_up: shapes");
+  TORCH_CHECK(h1.has_value() == h3.has_value(), "expert_glu_up: h1 and h3 together");
+  for (const auto* h : {&h1, &h3})
+    TORCH_CHECK(!h->has_value() || ((*h)->sizes() == act.sizes() && (*h)->is_contiguous()), "expert_glu_up: h1/h3");
+  at::NoGradGuard no_grad;
+  const bool keep = h1.has_value();
+  Tensor a1 = keep ? *h1 : at::empty_like(act), a3 = keep ? *h3 : at::empty_like(act);
+  if (fused_glu_up(a1, a3, act, x, w1, w3, Tensor(), keep, gemm)) return;
+  matmul(a1, x, w1, false, gemm);
+  matmul(a3, x, w3, false, gemm);
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    swiglu_forward<scalar_t>(a1.const_data_ptr<scalar_t>(), a3.const_data_ptr<scalar_t>(),
+                             act.mutable_data_ptr<scalar_t>(), a1.numel());
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mhmoe_cpu, m) {
@@ -445,10 +539,13 @@ TORCH_LIBRARY(mhmoe_cpu, m) {
   m.def("expert_backward(Tensor xs, Tensor h1, Tensor? h3, Tensor dy, Tensor w1, Tensor w2, Tensor? w3, "
         "Tensor(a!)? dxs, int[] starts, int[] sizes, int threads, int gemm=0) -> Tensor[]");
   m.def("expert_matmul(Tensor a, Tensor b, Tensor(a!) out, bool add=False, int gemm=0, bool stream=False) -> ()");
+  m.def("expert_glu_up(Tensor x, Tensor w1, Tensor w3, Tensor(a!)? h1, Tensor(b!)? h3, Tensor(c!) act, int gemm=0) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(mhmoe_cpu, CPU, m) {
   m.impl("expert_matmul", &expert_matmul);
+  m.impl("expert_glu_up", &expert_glu_up);
   m.impl("expert_forward", &expert_forward);
   m.impl("expert_backward", &expert_backward);
 }
