@@ -72,7 +72,7 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
     h1, h3, ys, dxs = (torch.empty(R, F, dtype=dtype), torch.empty(R, F, dtype=dtype),
                        torch.empty(R, D, dtype=dtype), torch.empty(R, D, dtype=dtype))
     starts, sizes = [e * C for e in range(E)], [C] * E
-    gemm = native.expert_gemm(dtype, D, F, E)  # the GEMMs where `auto` runs them (the loop's own kernel or at::mm)
+    gemm = native.expert_gemm(dtype, D, F)  # the GEMMs where `auto` runs them (the loop's own kernel or at::mm)
 
     def fwd() -> None:
         ops.expert_forward(xs, w1, w2, w3, h1, h3, ys, starts, sizes, 1, gemm)
@@ -115,7 +115,7 @@ def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> 
             torch.mm(xs[0], w[0], out=out[e])
 
     fns = {"distinct": each_own, "shared": all_one, "one_gemm": lambda: torch.mm(flat_x, w[0], out=flat_out)}
-    own = native.expert_gemm(dtype, D, F, E)
+    own = native.expert_gemm(dtype, D, F)
     if own != native.GEMM_ATEN:  # the loop's own kernel on the same calls as each_own
         ops = native._ops()
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
              for dt in (torch.float32, torch.bfloat16)]
     result = {"machine": machine_info(torch.device("cpu")), "topk": topk, "expert_loop": loops,
               "gemm_locality": gemms}
-    if native.expert_gemm(torch.bfloat16, 64, 128, 93) != native.GEMM_ATEN:  # a CPU where the loop uses its own kernel
+    if native.expert_gemm(torch.bfloat16, 64, 128) != native.GEMM_ATEN:  # a CPU where the loop uses its own kernel
         result["gemm_kinds"] = [gemm_kinds(n, args.repeats, args.scale) for n in EXPERT_CASES]
     print("\n\n".join(cpu_tables.native_ops(result)))  # as docs/PERFORMANCE.md shows them
     if args.json:

@@ -325,31 +325,30 @@ needs_dot_gemm = pytest.mark.skipif(
 
 
 def test_expert_gemm_rule(monkeypatch):
-    """bf16, weight matrices of at most DOT_GEMM_WEIGHTS elements (on AMX: AMX_GEMM_WEIGHTS and at least
-    AMX_GEMM_MIN_EXPERTS experts), an AVX-512 build, a measured ISA: the dot-product kernel on AVX-512 BF16, the
-    tiles on AMX, at::mm elsewhere."""
+    """bf16, weight matrices of at most DOT_GEMM_WEIGHTS elements (on AMX: AMX_GEMM_WEIGHTS), not thin and wide, an
+    AVX-512 build, a measured ISA: the dot-product kernel on AVX-512 BF16, the tiles on AMX, at::mm elsewhere."""
     dot, amx, aten = native.GEMM_DOT, native.GEMM_AMX, native.GEMM_ATEN
     rule = native.expert_gemm
     monkeypatch.setattr(native, "capability", lambda: "AVX512")
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
-    assert rule(torch.bfloat16, 64, 128, 93) == dot and rule(torch.bfloat16, 256, 512, 96) == dot
-    assert rule(torch.bfloat16, 768, 2048, 8) == dot and rule(torch.bfloat16, 192, 512, 8) == dot  # any count
-    assert rule(torch.bfloat16, 1024, 4096, 8) == aten  # larger: not measured, at::mm
-    assert rule(torch.bfloat16, 192, 768, 16) == dot and rule(torch.bfloat16, 96, 1488, 8) == aten  # thin, wide
-    assert rule(torch.bfloat16, 48, 96, 16) == aten  # too few input features
-    assert rule(torch.float32, 64, 128, 93) == aten
-    monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # the tiles, for many small experts
-    assert rule(torch.bfloat16, 64, 128, 93) == amx and rule(torch.bfloat16, 256, 512, 96) == amx
-    assert rule(torch.bfloat16, 384, 768, 40) == amx
-    assert rule(torch.bfloat16, 192, 512, 8) == aten  # few experts (many rows each): oneDNN's AMX kernels
-    assert rule(torch.bfloat16, 768, 1024, 16) == aten and rule(torch.bfloat16, 768, 2048, 8) == aten  # larger
-    assert rule(torch.bfloat16, 96, 1488, 16) == aten and rule(torch.float32, 64, 128, 93) == aten
+    assert rule(torch.bfloat16, 64, 128) == dot and rule(torch.bfloat16, 256, 512) == dot
+    assert rule(torch.bfloat16, 768, 2048) == dot and rule(torch.bfloat16, 192, 512) == dot
+    assert rule(torch.bfloat16, 1024, 4096) == aten  # larger: not measured, at::mm
+    assert rule(torch.bfloat16, 192, 768) == dot and rule(torch.bfloat16, 96, 1488) == aten  # thin, wide
+    assert rule(torch.bfloat16, 48, 96) == aten  # too few input features
+    assert rule(torch.float32, 64, 128) == aten
+    monkeypatch.setattr(native, "cpu_isa", lambda: "amx")  # the tiles
+    assert rule(torch.bfloat16, 64, 128) == amx and rule(torch.bfloat16, 256, 512) == amx
+    assert rule(torch.bfloat16, 384, 768) == amx and rule(torch.bfloat16, 192, 512) == amx
+    assert rule(torch.bfloat16, 768, 1024) == amx  # the fine-grained layer's experts
+    assert rule(torch.bfloat16, 768, 2048) == aten  # SMoE's: oneDNN's AMX kernels as fast
+    assert rule(torch.bfloat16, 96, 1488) == aten and rule(torch.float32, 64, 128) == aten
     for isa in ("avx512", "avx2", "other"):
         monkeypatch.setattr(native, "cpu_isa", lambda isa=isa: isa)
-        assert rule(torch.bfloat16, 64, 128, 93) == aten
+        assert rule(torch.bfloat16, 64, 128) == aten
     monkeypatch.setattr(native, "cpu_isa", lambda: "avx512_bf16")
     monkeypatch.setattr(native, "capability", lambda: "AVX2")  # an AVX2 build
-    assert rule(torch.bfloat16, 64, 128, 93) == aten
+    assert rule(torch.bfloat16, 64, 128) == aten
 
 
 def _bf16(*shape, gen, scale=1.0):

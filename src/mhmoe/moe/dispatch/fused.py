@@ -358,7 +358,7 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
     ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
-    gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden, experts.n_experts) if ops is not None else GEMM_ATEN
+    gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden) if ops is not None else GEMM_ATEN
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
                                ops, trains, gemm)

@@ -78,8 +78,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # loop's own kernel (dot_gemm.h: AVX-512 BF16; amx_gemm.h: AMX tiles) on the ISAs listed; thin, wide experts on
 # at::mm (oneDNN), faster there, and larger ones too (docs/PERFORMANCE.md)
 DOT_GEMM_WEIGHTS = 1 << 21
-AMX_GEMM_WEIGHTS = 1 << 19
-AMX_GEMM_MIN_EXPERTS = 16
+AMX_GEMM_WEIGHTS = 1 << 20
 DOT_GEMM_MIN_IN = 64
 DOT_GEMM_MAX_RATIO = 4
 DOT_GEMM_ISAS = ("avx512_bf16", "amx")
@@ -169,7 +168,7 @@ def expert_ops(dtype: torch.dtype) -> Any | None:
     return _ops()
 
 
-def expert_gemm(dtype: torch.dtype, d_in: int, d_hidden: int, n_experts: int) -> int:
+def expert_gemm(dtype: torch.dtype, d_in: int, d_hidden: int) -> int:
     """Where the C++ loop runs an expert's GEMMs: on its own bf16 kernel for this CPU (:func:`own_gemm`; the right
     operand packed per call in L2-sized column panels, fp32 sums in K order) or ``GEMM_ATEN`` (``at::mm``). Its own
     kernel for bf16 experts, not thin and wide (``d_in >= DOT_GEMM_MIN_IN`` and ``d_hidden <= DOT_GEMM_MAX_RATIO *
@@ -179,14 +178,12 @@ def expert_gemm(dtype: torch.dtype, d_in: int, d_hidden: int, n_experts: int) ->
     * ``DOT_GEMM_WEIGHTS`` elements on ``avx512_bf16`` (the dot-product kernel, ``dot_gemm.h``; the largest
       measured: SMoE's 768 x 2048; every tiny preset's experts and the d=768 layers' ran 1.02-1.32x as fast fwd+bwd
       as on at::mm);
-    * ``AMX_GEMM_WEIGHTS`` on ``amx`` (AMX tiles, ``amx_gemm.h``), and at least ``AMX_GEMM_MIN_EXPERTS`` experts
-      (many calls of few rows each: the tiny h=2 and h=3 layers' experts ran 1.25-1.36x as fast fwd+bwd as on
-      oneDNN's AMX kernels, the d=768 h=3 layer's 1.10-1.13x, h=2's 0.92-1.03x; with 8 experts of 192 x 512,
-      about 500 rows each, 0.94x; SMoE's 768 x 2048 0.96-0.99x: docs/PERFORMANCE.md, "AMX tiles")."""
+    * ``AMX_GEMM_WEIGHTS`` on ``amx`` (AMX tiles, ``amx_gemm.h``: the tiny layers' experts ran 1.02-1.44x as fast
+      fwd+bwd as on oneDNN's AMX kernels, the d=768 h=3, h=2 and fine-grained layers' 1.10-1.21x; SMoE's 768 x 2048
+      0.98-1.07x, so it stays on oneDNN: docs/PERFORMANCE.md, "AMX tiles")."""
     isa = cpu_isa()
     limit = AMX_GEMM_WEIGHTS if isa == "amx" else DOT_GEMM_WEIGHTS
-    many = isa != "amx" or n_experts >= AMX_GEMM_MIN_EXPERTS
-    own = (dtype == torch.bfloat16 and d_in * d_hidden <= limit and many and d_in >= DOT_GEMM_MIN_IN
+    own = (dtype == torch.bfloat16 and d_in * d_hidden <= limit and d_in >= DOT_GEMM_MIN_IN
            and d_hidden <= DOT_GEMM_MAX_RATIO * d_in and capability() == "AVX512" and isa in DOT_GEMM_ISAS)
     return own_gemm() if own else GEMM_ATEN
 
