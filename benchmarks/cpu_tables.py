@@ -81,6 +81,11 @@ def throughput(files: list[dict[str, Any]], params: bool) -> str:
 GEMM_KINDS = {"up": "X · W1", "dgrad": "dY · W2^T", "wgrad_x": "X^T · dH", "wgrad_h": "dH^T · dY"}
 
 
+def _pass_ns(ns: float | None) -> str:
+    """A SwiGLU pass's ns per element, or where it has no pass of its own (computed inside the GEMM)."""
+    return "in the GEMM" if ns is None else f"{ns:.2f}"
+
+
 def native_ops(data: dict[str, Any]) -> list[str]:
     """``native_ops.py``: the top-k, the expert ops with their SwiGLU passes, the GEMMs' locality."""
     topk = _table(["experts", "k", "C++ ns/row", "`torch.topk` ns/row"],
@@ -91,7 +96,7 @@ def native_ops(data: dict[str, Any]) -> list[str]:
                    [[EXPERT_SHAPES[r["shape"]], r["dtype"], "own kernel" if r.get("own_gemm") else "`at::mm`",
                      f"{r['ms_forward']:.2f}", f"{r['gflops_forward']:.0f}",
                      f"{r['ms_backward']:.2f}", f"{r['gflops_backward']:.0f}",
-                     f"{r['ns_per_element_swiglu_forward']:.2f}", f"{r['ns_per_element_swiglu_backward']:.2f}"]
+                     *[_pass_ns(r[f"ns_per_element_swiglu_{d}"]) for d in ("forward", "backward")]]
                     for r in data["expert_loop"]])
     gemms = _table(["expert shapes", "dtype", "each expert its own weight", "one weight for all",
                     "one GEMM of all the rows", "own kernel, each its own weight"],

@@ -94,8 +94,9 @@ def expert_loop(name: str, dtype: torch.dtype, repeats: int, scale: float) -> di
     return {"shape": name, "dtype": str(dtype).removeprefix("torch."), "experts": E, "d_in": D, "d_hidden": F,
             "rows": R, "own_gemm": gemm != native.GEMM_ATEN, "ms_forward": ms["forward"], "ms_backward": ms["backward"],
             "gflops_forward": flops / ms["forward"] / 1e6, "gflops_backward": 2 * flops / ms["backward"] / 1e6,
-            "ns_per_element_swiglu_forward": passes[LABELS[0]] * 1e3 / (R * F),
-            "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F)}
+            # None: no pass of its own (the AMX kernel computes the forward's activation inside the up-projection)
+            "ns_per_element_swiglu_forward": passes[LABELS[0]] * 1e3 / (R * F) if passes[LABELS[0]] else None,
+            "ns_per_element_swiglu_backward": passes[LABELS[1]] * 1e3 / (R * F) if passes[LABELS[1]] else None}
 
 
 def gemm_locality(name: str, dtype: torch.dtype, repeats: int, scale: float) -> dict:

@@ -84,7 +84,7 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'float32', 'thin_wide'):
-        CpuChoice('fused', 32, -1.0, True,
+        CpuChoice('fused', 1, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json'),
     ('amx', 'bfloat16', 'few'):
         CpuChoice('fused', 16, -1.0, True,
