@@ -5,7 +5,9 @@
 // Here the right operand is packed once per call into K-pairs (dot_gemm.h's layout, which is the tile's: a B tile is
 // 16 pair rows of 16 columns), in L2-sized column panels; the left one is read in place (row-major, K a multiple of
 // 32) or copied into a zero-padded block; every 32 x 32 output block accumulates in four tiles over the whole K, in
-// K order, and leaves through an fp32 block rounded to bf16 once (docs/PERFORMANCE.md, "AMX tiles").
+// K order, and leaves through an fp32 block rounded to bf16 once (docs/PERFORMANCE.md, "AMX tiles"). gemm_glu runs a
+// SwiGLU expert's two up-projections block by block and hands the caller each pair of rounded blocks for the
+// activation while they are in L1.
 //
 // Layouts: A row-major bf16 [M, Kp] (row stride lda elements, Kp = K rounded up to 32, zero beyond K); B in pairs
 // P [Kp / 2][N] (dot_gemm.h; pairs beyond K zero). Tiles: 0-3 the output block, 4-5 A, 6-7 B.
