@@ -1,6 +1,6 @@
 """The C++ expert loop's two GEMM back ends on bf16 MoE layers: ATen's ``at::mm`` (oneDNN) against the loop's own
-AVX-512 BF16 kernel (``dot_gemm.h``; ``auto`` uses it where :func:`mhmoe.moe.dispatch.native.dot_gemm` says: weight
-matrices of at most ``DOT_GEMM_WEIGHTS`` elements on the ISAs listed there).
+kernel for this CPU (``dot_gemm.h``, the AVX-512 BF16 dot product, or ``amx_gemm.h``, AMX tiles; ``auto`` uses it
+where :func:`mhmoe.moe.dispatch.native.expert_gemm` says).
 
 Each layer (``benchmarks/cpu_dispatch.py``'s configurations, ``auto``'s row layout) runs forward + backward
 with both back ends in turn, round-robin in one process; medians, the speedup and how many of the output and
