@@ -145,13 +145,17 @@ def expert_gemm(data: dict[str, Any]) -> str:
 CANDIDATES = ["fused:1", "fused:16", "fused:32", "fused:32:intra", "batched:16", "sorted", "chunked:32"]
 
 
+def _fastest_ms(row: dict[str, Any]) -> float:
+    """The fastest candidate's ms in one ``cpu_dispatch.py --measure`` row (the dense FFN is not a candidate)."""
+    return min(v for k, v in dict(row["ms"]).items() if k != "dense")
+
+
 def candidates(data: dict[str, Any]) -> str:
     """``cpu_dispatch.py --measure``: every candidate's ms per layer and dtype (the fastest in bold), the scaled dense
     FFN, its ratio to the fastest and the rows all-experts batching would pad."""
     rows = []
     for r in data["rows"]:
-        ms = dict(r["ms"])
-        best = min((v for k, v in ms.items() if k != "dense"), default=None)
+        ms, best = dict(r["ms"]), _fastest_ms(r)
         cells = [("**{:.1f}**" if ms[c] == best else "{:.1f}").format(ms[c]) if c in ms else "-" for c in CANDIDATES]
         rows.append([r["layer"], r["class"], r["dtype"], *cells, f"{r['dense_norm_ms']:.1f}",
                      f"{r['dense_norm_ms'] / best:.2f}", f"{r['padding_batched16']:.0%}"])
@@ -164,7 +168,7 @@ def allocator(glibc: dict[str, Any], tuned: dict[str, Any]) -> str:
     per call (the MoE layer: the median over its candidates; the dense FFN) and the dense FFN's rate over the
     fastest candidate's, both ways."""
     def fastest(r: dict[str, Any]) -> float:
-        return r["dense_norm_ms"] / min(v for k, v in dict(r["ms"]).items() if k != "dense")
+        return r["dense_norm_ms"] / _fastest_ms(r)
 
     rows = []
     for g, t in zip(glibc["rows"], tuned["rows"], strict=True):
