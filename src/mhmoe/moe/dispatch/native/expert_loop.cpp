@@ -93,12 +93,21 @@ void for_b_panels(const Tensor& b, int64_t KK, int64_t NB, const Body& body, int
 
 struct NoScope {};
 
-// The bytes of `next` (what the caller reads after this GEMM: the next weight matrix) for the own kernels to pull
-// into the cache during it, where it is one contiguous block; else none.
-inline std::pair<const char*, int64_t> prefetch_hint(const Tensor& next) {
-  if (!next.defined() || !next.is_contiguous()) return {nullptr, 0};
-  return {static_cast<const char*>(next.const_data_ptr()), next.numel() * next.element_size()};
-}
+// `next` (what the caller reads after this GEMM: the next weight matrix) for the own kernels to pull into the cache
+// during it, where it is one contiguous block (else nothing), shared out over B's column panels.
+struct PrefetchHint {
+  const char* p = nullptr;
+  int64_t bytes = 0;
+  explicit PrefetchHint(const Tensor& next) {
+    if (next.defined() && next.is_contiguous())
+      p = static_cast<const char*>(next.const_data_ptr()), bytes = next.numel() * next.element_size();
+  }
+  // the share of the panel of columns [n0, n0 + np) of N: its start (null: none) and bytes
+  std::pair<const char*, int64_t> panel(int64_t n0, int64_t np, int64_t N) const {
+    const int64_t b0 = bytes * n0 / N, b1 = bytes * (n0 + np) / N;
+    return {p ? p + b0 : nullptr, b1 - b0};
+  }
+};
 
 // bf16 GEMMs on the AVX-512 BF16 dot-product kernel of dot_gemm.h: out [M, N] contiguous, N a multiple of 32; the
 // left operand row-major (its pairs read in place; K even, rows 4-byte aligned) or a transposed view (packed: the
@@ -124,7 +133,7 @@ struct DotGemm {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1), KK = (K + 1) / 2;
     const auto* ap = reinterpret_cast<const uint16_t*>(a.const_data_ptr<at::BFloat16>());
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-    const auto [pf, pf_bytes] = prefetch_hint(next);
+    const PrefetchHint hint(next);
     const uint32_t* A = reinterpret_cast<const uint32_t*>(ap);
     int64_t a_row = a.stride(0) / 2, a_k = 1;
     thread_local std::vector<uint32_t> scratch;
@@ -134,8 +143,8 @@ struct DotGemm {
       A = pa, a_row = 1, a_k = M;
     }
     for_b_panels<NoScope>(b, KK, dg::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
-      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
-      dg::gemm(A, a_row, a_k, pb, M, np, KK, o + n0, N, add, pf ? pf + pf0 : nullptr, pf1 - pf0, stream);
+      const auto [pf, pf_bytes] = hint.panel(n0, np, N);
+      dg::gemm(A, a_row, a_k, pb, M, np, KK, o + n0, N, add, pf, pf_bytes, stream);
     });
   }
 };
@@ -214,10 +223,10 @@ struct AmxGemm {
     const int64_t M = a.size(0), N = b.size(1), Kp = padded_k(a.size(1));
     const Left l = left(a, Kp);
     auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
-    const auto [pf, pf_bytes] = prefetch_hint(next);
+    const PrefetchHint hint(next);
     for_b_panels<TileScope>(b, Kp / 2, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* pb) {
-      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;  // this panel's share of the hint
-      ag::gemm(l.A, l.lda, l.tail, pb, M, np, Kp, o + n0, N, add, stream, pf ? pf + pf0 : nullptr, pf1 - pf0);
+      const auto [pf, pf_bytes] = hint.panel(n0, np, N);
+      ag::gemm(l.A, l.lda, l.tail, pb, M, np, Kp, o + n0, N, add, stream, pf, pf_bytes);
     });
   }
   // A SwiGLU expert's up-projection and activation in one pass (amx_gemm::gemm_glu): h1 = x · w1 and h3 = x · w3
@@ -236,12 +245,12 @@ struct AmxGemm {
     auto* o1 = h1.defined() ? reinterpret_cast<uint16_t*>(h1.data_ptr<at::BFloat16>()) : nullptr;
     auto* o3 = h3.defined() ? reinterpret_cast<uint16_t*>(h3.data_ptr<at::BFloat16>()) : nullptr;
     auto* a = act.mutable_data_ptr<at::BFloat16>();
-    const auto [pf, pf_bytes] = prefetch_hint(next);
+    const PrefetchHint hint(next);
     for_b_panels<TileScope>(w1, KK, ag::NB, [&](int64_t n0, int64_t np, const uint32_t* p1) {
       thread_local std::vector<uint32_t> scratch;  // w3's panel beside w1's
       uint32_t* p3 = cache_aligned(scratch, KK * np);
       pack_b_panel(w3, n0, np, KK, p3);
-      const int64_t pf0 = pf_bytes * n0 / N, pf1 = pf_bytes * (n0 + np) / N;
+      const auto [pf, pf_bytes] = hint.panel(n0, np, N);
       const auto epilogue = [&](const uint16_t* r1, const uint16_t* r3, int64_t rows, int64_t m, int64_t n) {
         for (int64_t i = 0; i < rows; ++i)
           swiglu_forward<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(r1 + i * ag::NB),
@@ -249,7 +258,7 @@ struct AmxGemm {
                                        a + (m + i) * N + n0 + n, ag::NB);
       };
       ag::gemm_glu(l.A, l.lda, l.tail, p1, p3, M, np, Kp, o1 ? o1 + n0 : nullptr, o3 ? o3 + n0 : nullptr, N,
-                   pf ? pf + pf0 : nullptr, pf1 - pf0, epilogue);
+                   pf, pf_bytes, epilogue);
     }, 2);
   }
 };
