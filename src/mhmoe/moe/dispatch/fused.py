@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from mhmoe.moe.dispatch.cpu_table import cpu_choice
 from mhmoe.moe.dispatch.layout import RowLayout, row_layout
-from mhmoe.moe.dispatch.native import GEMM_ATEN, expert_gemm, expert_ops
+from mhmoe.moe.dispatch.native import GEMM_ATEN, expert_gemm, expert_ops, slot_grads
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.routers import RouterOutput
 
@@ -195,12 +195,7 @@ class _FusedMoE(torch.autograd.Function):
         layout, chunk = ctx.layout, ctx.chunk
         S, K = weights.shape
         D, R = w1.shape[1], layout.rows
-        g = dout.contiguous().index_select(0, layout.tok)  # [R, D]: dout of each row's token
-        if layout.pad.numel():
-            g.index_fill_(0, layout.pad, 0)  # padding rows: zero output gradient, so zero weight gradients
-        dw_rows = weights.new_zeros(R + 1)  # d w per row; row R (invalid slots) stays 0
-        torch.sum(ys[:R] * g, 1, out=dw_rows[:R])  # d w[slot] = <y_slot, dout[token]>
-        g.mul_(weights.reshape(-1).index_select(0, layout.slot).unsqueeze(1))  # d y_slot = w[slot] * dout[token]
+        g, dweights = _slot_grads(dout, ys, weights, layout)
         need_dx = ctx.needs_input_grad[0]  # False e.g. for a first layer fed by a frozen input
         dxs = xs.new_empty(R + 1, D) if need_dx else None
         if need_dx:
@@ -213,10 +208,28 @@ class _FusedMoE(torch.autograd.Function):
             gw3 = rest[0] if rest else None
         else:
             gw1, gw2, gw3 = _blocks_backward(xs, h1, h3, g, w1, w2, w3, dxs, layout, chunk, ctx.workers)
-        dweights = dw_rows.index_select(0, layout.inv).view(S, K)
         # dx[s] = sum_k dxs[row of slot (s,k)]: gather by the inverse permutation and sum over K in one kernel
         dx = F.embedding_bag(layout.inv.view(S, K), dxs, mode="sum") if need_dx else None
         return dx, dweights, gw1, gw2, gw3, None, None, None, None, None, None
+
+
+def _slot_grads(dout: Tensor, ys: Tensor, weights: Tensor, layout: RowLayout) -> tuple[Tensor, Tensor]:
+    """The rows' output gradients g [R, D] (``d y_row = w[slot] * dout[token]``; zero on padding rows, so zero weight
+    gradients from them) and the combine weights' gradients [S, K] (``d w[slot] = <y_row, dout[token]>``; zero on
+    invalid slots): one C++ pass where the extension runs (:func:`mhmoe.moe.dispatch.native.slot_grads`), else
+    torch ops. dout [S, D], ys [R + 1, D], weights [S, K]."""
+    S, K = weights.shape
+    R = layout.rows
+    native = slot_grads(dout, ys, weights, layout.tok, layout.slot, layout.inv)
+    if native is not None:
+        return native
+    g = dout.contiguous().index_select(0, layout.tok)  # [R, D]: dout of each row's token
+    if layout.pad.numel():
+        g.index_fill_(0, layout.pad, 0)
+    dw_rows = weights.new_zeros(R + 1)  # d w per row; row R (invalid slots) stays 0
+    torch.sum(ys[:R] * g, 1, out=dw_rows[:R])
+    g.mul_(weights.reshape(-1).index_select(0, layout.slot).unsqueeze(1))
+    return g, dw_rows.index_select(0, layout.inv).view(S, K)
 
 
 def _blocks_backward(xs: Tensor, h1: Tensor | None, h3: Tensor | None, dy: Tensor, w1: Tensor, w2: Tensor,

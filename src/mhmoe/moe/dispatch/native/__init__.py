@@ -1,6 +1,6 @@
-"""The fused path's CPU expert loop, the router's top-k, the slots' grouping by expert, the LM loss's rows and
-generation's expert pairs in C++ (``expert_loop.cpp``, ``router_topk.cpp``, ``group_rows.cpp``, ``token_xent.cpp``,
-``gathered_ffn.cpp``), compiled on first use.
+"""The fused path's CPU expert loop and the head of its backward, the router's top-k, the slots' grouping by expert,
+the LM loss's rows and generation's expert pairs in C++ (``expert_loop.cpp``, ``slot_grads.cpp``, ``router_topk.cpp``,
+``group_rows.cpp``, ``token_xent.cpp``, ``gathered_ffn.cpp``), compiled on first use.
 
 What it is: the per-expert loop of :mod:`mhmoe.moe.dispatch.fused` -- the same ATen GEMMs (oneDNN / MKL) in the same
 order, or for small bf16 experts on CPUs with AVX-512 BF16 its own GEMM kernel (:func:`expert_gemm`: the bf16
@@ -22,6 +22,10 @@ warning); ``MHMOE_NATIVE=0`` turns it off, :func:`disabled` within a block (the 
 code, which has no C++ ops, with the library's Python loop). Forward-only calls pass no hidden buffers: each
 expert's pre-activations are freed after its GEMMs.
 
+The head of the fused path's backward (:func:`slot_grads`): every row's output gradient (the token's gradient times
+its combine weight) and every combine weight's gradient (the dot product of the row's output and the token's
+gradient) in one pass over the rows, where ATen took five.
+
 The router's top-k (:func:`topk_indices`): one vectorised pass per row, every vector lane keeping its own sorted
 k + 1 largest scores (merged at the end), instead of ATen's copy into (value, index) pairs with ``nth_element`` and a
 sort (115 vs 880 ns per row of 96 experts, top-3, one thread; k <= 8). Rows where equal scores or a NaN leave the
@@ -38,8 +42,8 @@ cross-entropy and its logit gradient in one pass per step over the row, in place
 Generation's pairs (:func:`gathered_ffn`, used by :mod:`mhmoe.moe.dispatch.gathered`): each (token, slot) pair's
 FFN read straight from its expert's weights instead of gathering weight copies.
 
-The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``topk_rows`` / ``group_rows`` /
-``token_xent_`` / ``gathered_ffn`` (schemas in the .cpp files).
+The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``slot_grads`` / ``topk_rows`` /
+``group_rows`` / ``token_xent_`` / ``gathered_ffn`` (schemas in the .cpp files).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from mhmoe.runtime.cpu import cpu_isa
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("expert_loop.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp", "group_rows.cpp")]
+           for name in ("expert_loop.cpp", "slot_grads.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp",
+                        "group_rows.cpp")]
 # included by the sources; part of the build's key
 HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h", "amx_gemm.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
@@ -213,6 +218,25 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     if rows.numel():
         ids.index_copy_(0, rows, torch.topk(scores.index_select(0, rows), k, dim=-1).indices)
     return ids
+
+
+def slot_grads(dout: Tensor, ys: Tensor, weights: Tensor, tok: Tensor, slot: Tensor,
+               inv: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The head of the fused path's backward in one C++ pass over the rows (``slot_grads.cpp``): from the layer's
+    output gradient dout [S, D], the rows' expert outputs ys [>= R, D], the combine weights [S, K] and the row
+    layout's tok, slot [R] and inv [S * K] (:class:`~mhmoe.moe.dispatch.layout.RowLayout`), ``(g, dweights)``: g
+    [R, D] the rows' output gradients ``dout[tok] * weights[slot]`` (rounded once; zero on padding rows) and
+    dweights [S, K] ``<ys[row], dout[s]>`` (exact products summed in fp32, rounded once; zero on invalid slots).
+    None where the op does not run (off a CPU, mixed or other dtypes, under ``torch.compile`` or a dispatch mode,
+    ``MHMOE_NATIVE=0``, no extension): the caller computes the same with torch ops."""
+    if (torch.compiler.is_compiling() or dout.device.type != "cpu" or dout.dtype not in DTYPES
+            or ys.dtype != dout.dtype or weights.dtype != dout.dtype or not enabled() or is_in_torch_dispatch_mode()):
+        return None
+    ops = _ops()
+    if ops is None:
+        return None
+    g, dweights = ops.slot_grads(dout.contiguous(), ys.contiguous(), weights, tok, slot, inv)
+    return g, dweights
 
 
 def group_rows(key: Tensor, n_bins: int) -> tuple[Tensor, Tensor] | None:
