@@ -115,17 +115,45 @@ class Router(nn.Module):
         if fused is not None:
             return fused
         xg = self.gemm_input(x)
+        valid = token_mask[:, None].expand(S, self.top_k).clone()
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits, gate, probs = self.scores(xg)
+            cpu = self._cpu_softmax(xg, token_mask)
+            if cpu is not None and cpu[1] is not None:
+                probs, weights, experts = cpu[1]
+                return RouterOutput(weights, experts, valid, cpu[0], probs, _counts(experts, valid, self.n_experts),
+                                    token_mask)
+            if cpu is None:
+                logits, gate, probs = self.scores(xg)
+            else:  # tied scores: the reference ops on the same scores
+                logits = cpu[0]
+                gate = probs = logits.softmax(-1)
             choice = gate + self.selection_bias if self.aux_free else gate
             experts = _top_k(choice, self.top_k)
             weights = torch.gather(gate, 1, experts)
             if self.renormalize:
                 weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
-        valid = token_mask[:, None].expand(S, self.top_k).clone()
         weights = weights * valid
         return RouterOutput(weights, experts, valid, logits, probs, _counts(experts, valid, self.n_experts),
                             token_mask)
+
+    def _cpu_softmax(self, xg: Tensor, token_mask: Tensor) -> tuple[Tensor, tuple[Tensor, ...] | None] | None:
+        """The CPU path of a softmax router whose scores are ``xg @ weight.t()``: the score GEMM, then the softmax,
+        top-k and combine weights in one C++ pass per row and their backward in another
+        (:mod:`mhmoe.moe.dispatch.native.router`, the same numbers to fp32 rounding). ``(logits, (probs, weights,
+        experts))``; ``(logits, None)`` where tied scores leave the top-k to ``torch.topk``'s rule; None where it
+        does not apply: the reference ops run."""
+        if self.fused_gate != "softmax" or type(self).scores is not SoftmaxRouter.scores:
+            return None
+        try:
+            from mhmoe.moe.dispatch.native import router as cpu_router
+        except ImportError:  # the exported model code (trust_remote_code) carries no C++
+            return None
+        E = self.n_experts
+        if not cpu_router.applies(xg, E, self.top_k):
+            return None
+        logits = _linear(xg, self.weight)
+        bias = self.selection_bias if self.aux_free else None
+        return logits, cpu_router.softmax_topk(logits, bias, token_mask, self.top_k, self.renormalize)
 
     def _fused(self, x: Tensor, token_mask: Tensor) -> RouterOutput | None:
         """The GPU path: the same routing from one fused Triton kernel per block of tokens

@@ -32,6 +32,9 @@ sort (115 vs 880 ns per row of 96 experts, top-3, one thread; k <= 8). Rows wher
 choice or the order to ``torch.topk``'s tie handling are recomputed by ``torch.topk``, so the experts are
 ``torch.topk``'s on every row, with or without the extension.
 
+The softmax router's element-wise work (:mod:`mhmoe.moe.dispatch.native.router`, ``router_topk.cpp``): the softmax,
+the top-k and the combine weights in one pass per row after the score GEMM, and their backward in another.
+
 The slots' grouping by expert (:func:`group_rows`): a stable counting sort of the slots by expert and the slots per
 expert, the numbers ``torch.argsort(key, stable=True)`` and a bincount give (ATen's CPU sort runs
 ``std::stable_sort`` below 32,768 keys).
@@ -43,7 +46,8 @@ Generation's pairs (:func:`gathered_ffn`, used by :mod:`mhmoe.moe.dispatch.gathe
 FFN read straight from its expert's weights instead of gathering weight copies.
 
 The ops: ``torch.ops.mhmoe_cpu.expert_forward`` / ``expert_backward`` / ``slot_grads`` / ``topk_rows`` /
-``group_rows`` / ``token_xent_`` / ``gathered_ffn`` (schemas in the .cpp files).
+``softmax_topk`` / ``softmax_topk_backward`` / ``group_rows`` / ``token_xent_`` / ``gathered_ffn`` (schemas in the .cpp
+files).
 """
 
 from __future__ import annotations

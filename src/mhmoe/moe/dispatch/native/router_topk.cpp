@@ -17,6 +17,7 @@
 #include <limits>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -113,12 +114,130 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& scores, int64_t k) {
   return {ids, tied};
 }
 
+// The softmax router's per-row work after its score GEMM, in one pass per row (mhmoe/moe/dispatch/native/router.py):
+// probs = softmax(logits) (ATen's formula: exp(l - max) times the reciprocal of their sum), the top-k of
+// probs + bias (as topk_rows: tied rows flagged for torch.topk), weights = the chosen probs, divided by their sum
+// (floored at 1e-9) when `renorm`, times the token mask.
+void softmax_row(const float* l, float* p, int64_t E) {
+  const int64_t full = E / W * W, rest = E - full;
+  const fVec ninf(-std::numeric_limits<float>::infinity());
+  fVec mx = ninf;
+  for (int64_t e = 0; e < full; e += W) mx = at::vec::maximum(mx, fVec::loadu(l + e));
+  if (rest) mx = at::vec::maximum(mx, fVec::set(ninf, fVec::loadu(l + full, rest), rest));
+  const fVec m(at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mx));
+  fVec sum(0.f);
+  for (int64_t e = 0; e < full; e += W) {
+    const fVec x = (fVec::loadu(l + e) - m).exp();
+    x.store(p + e);
+    sum = sum + x;
+  }
+  if (rest) {
+    const fVec x = fVec::set(fVec(0.f), (fVec::loadu(l + full, rest) - m).exp(), rest);
+    x.store(p + full, rest);
+    sum = sum + x;
+  }
+  const fVec inv(1.f / at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sum));
+  for (int64_t e = 0; e < full; e += W) (fVec::loadu(p + e) * inv).store(p + e);
+  if (rest) (fVec::loadu(p + full, rest) * inv).store(p + full, rest);
+}
+
+// logits [S, E] float32 contiguous, bias [E] float32 or undefined, mask [S] bool -> (probs [S, E], weights [S, K],
+// ids [S, K] int64, tied [S] bool); 1 <= K < E, K <= kMaxK.
+std::tuple<Tensor, Tensor, Tensor, Tensor> softmax_topk(const Tensor& logits, const std::optional<Tensor>& bias,
+                                                        const Tensor& mask, int64_t k, bool renorm) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "softmax_topk: logits must be a contiguous float32 [S, E] tensor");
+  const int64_t S = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(k >= 1 && k < E && k <= kMaxK && E < (1 << 24), "softmax_topk: need 1 <= k < E, k <= ", kMaxK);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == S, "softmax_topk: mask [S] bool");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == E), "softmax_topk: bias [E] float32");
+  Tensor probs = at::empty_like(logits), weights = at::empty({S, k}, logits.options());
+  Tensor ids = at::empty({S, k}, logits.options().dtype(at::kLong)), tied = at::empty({S}, mask.options());
+  const Tensor b = bias ? bias->contiguous() : Tensor(), m = mask.contiguous();
+  const float *lp = logits.const_data_ptr<float>(), *bp = bias ? b.const_data_ptr<float>() : nullptr;
+  const bool* mp = m.const_data_ptr<bool>();
+  float *pp = probs.mutable_data_ptr<float>(), *wp = weights.mutable_data_ptr<float>();
+  int64_t* ip = ids.mutable_data_ptr<int64_t>();
+  bool* tp = tied.mutable_data_ptr<bool>();
+  const RowFn top = row_kernel(k, std::make_integer_sequence<int64_t, kMaxK>{});
+  at::parallel_for(0, S, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> choice(bp ? E : 0);
+    for (int64_t s = begin; s < end; ++s) {
+      float* p = pp + s * E;
+      softmax_row(lp + s * E, p, E);
+      if (bp) at::vec::map2([](fVec x, fVec y) { return x + y; }, choice.data(), p, bp, E);
+      tp[s] = top(bp ? choice.data() : p, E, ip + s * k);
+      float* w = wp + s * k;
+      if (tp[s]) {  // the ids may be unset: the caller runs torch.topk's rule instead
+        std::fill(ip + s * k, ip + (s + 1) * k, int64_t{0});
+        std::fill(w, w + k, 0.f);
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += (w[j] = p[ip[s * k + j]]);
+      const float den = std::max(sum, 1e-9f);
+      for (int64_t j = 0; j < k; ++j) w[j] = mp[s] ? (renorm ? w[j] / den : w[j]) : 0.f;
+    }
+  });
+  return {probs, weights, ids, tied};
+}
+
+// The gradient of softmax_topk's probs and weights with respect to the logits: dlogits [S, E] from probs [S, E],
+// ids [S, K], mask [S] and the gradients g_probs [S, E] and g_weights [S, K] (either undefined: zero).
+Tensor softmax_topk_backward(const Tensor& probs, const Tensor& ids, const Tensor& mask,
+                             const std::optional<Tensor>& g_probs, const std::optional<Tensor>& g_weights,
+                             bool renorm) {
+  const int64_t S = probs.size(0), E = probs.size(1), k = ids.size(1);
+  TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
+              ids.size(0) == S && mask.numel() == S, "softmax_topk_backward: shapes");
+  const Tensor gp = g_probs ? g_probs->contiguous() : Tensor(), gw = g_weights ? g_weights->contiguous() : Tensor();
+  TORCH_CHECK(!gp.defined() || (gp.sizes() == probs.sizes() && gp.scalar_type() == at::kFloat), "g_probs [S, E]");
+  TORCH_CHECK(!gw.defined() || (gw.sizes() == ids.sizes() && gw.scalar_type() == at::kFloat), "g_weights [S, K]");
+  Tensor dl = at::empty_like(probs);
+  const Tensor ic = ids.contiguous(), m = mask.contiguous();
+  const float *pp = probs.const_data_ptr<float>(), *gpp = gp.defined() ? gp.const_data_ptr<float>() : nullptr,
+              *gwp = gw.defined() ? gw.const_data_ptr<float>() : nullptr;
+  const int64_t* ip = ic.const_data_ptr<int64_t>();
+  const bool* mp = m.const_data_ptr<bool>();
+  float* dp = dl.mutable_data_ptr<float>();
+  at::parallel_for(0, S, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const float* p = pp + s * E;
+      float* g = dp + s * E;  // the gradient on probs, then on the logits
+      if (gpp)
+        std::copy(gpp + s * E, gpp + (s + 1) * E, g);
+      else
+        std::fill(g, g + E, 0.f);
+      if (gwp && mp[s]) {
+        const int64_t* id = ip + s * k;
+        const float* gws = gwp + s * k;
+        float sum = 0.f, dot = 0.f;
+        for (int64_t j = 0; j < k; ++j) sum += p[id[j]], dot += gws[j] * p[id[j]];
+        const bool floor = sum < 1e-9f;  // w = raw / 1e-9: the sum's gradient is zero
+        const float den = renorm ? std::max(sum, 1e-9f) : 1.f;
+        for (int64_t j = 0; j < k; ++j)
+          g[id[j]] += renorm ? (floor ? gws[j] / den : gws[j] / den - dot / (den * den)) : gws[j];
+      }
+      const float dot = at::vec::map2_reduce_all<float>([](fVec x, fVec y) { return x * y; },
+                                                        [](fVec x, fVec y) { return x + y; }, g, p, E);
+      at::vec::map2([dot](fVec x, fVec y) { return y * (x - fVec(dot)); }, g, g, p, E);
+    }
+  });
+  return dl;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mhmoe_cpu, m) {
   m.def("topk_rows(Tensor scores, int k) -> (Tensor, Tensor)");
+  m.def("softmax_topk(Tensor logits, Tensor? bias, Tensor mask, int k, bool renorm) -> (Tensor, Tensor, Tensor, "
+        "Tensor)");
+  m.def("softmax_topk_backward(Tensor probs, Tensor ids, Tensor mask, Tensor? g_probs, Tensor? g_weights, "
+        "bool renorm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mhmoe_cpu, CPU, m) {
   m.impl("topk_rows", &topk_rows);
+  m.impl("softmax_topk", &softmax_topk);
+  m.impl("softmax_topk_backward", &softmax_topk_backward);
 }

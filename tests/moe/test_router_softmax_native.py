@@ -1,0 +1,110 @@
+"""The softmax router's C++ element-wise pass (mhmoe.moe.dispatch.native.router) against the reference router ops:
+the same experts, the weights, probabilities and every gradient to fp32 rounding; the reference wherever it does
+not apply."""
+
+import pytest
+import torch
+import torch.utils.flop_counter
+
+from mhmoe.config.moe import MoEConfig
+from mhmoe.moe.dispatch import native
+from mhmoe.moe.dispatch.native import router as native_router
+from mhmoe.moe.routers import build_router
+
+needs_ext = pytest.mark.skipif(native.expert_ops(torch.float32) is None, reason="C++ extension not built here")
+
+
+def _run(router, x, mask, loss_of, reference: bool):
+    """The router's output and the gradients of loss_of(output) to x and the router weight."""
+    xx = x.clone().requires_grad_()
+    router.zero_grad()
+    if reference:
+        with native.disabled():
+            out = router(xx, mask)
+    else:
+        out = router(xx, mask)
+    loss_of(out).backward()
+    return out, xx.grad, router.weight.grad.clone()
+
+
+LOSSES = {
+    "weights": lambda o: (o.weights * torch.linspace(-1, 2, o.weights.shape[1])).sum(),
+    "probs": lambda o: (o.probs ** 2).sum(),  # as the balance loss: through probs alone
+    "all": lambda o: o.weights.sum() + (o.probs ** 2).sum() + torch.logsumexp(o.logits, -1).pow(2).mean(),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("aux_free", [False, True])
+@pytest.mark.parametrize("k, E, renorm", [(1, 16, None), (2, 16, None), (3, 96, None), (2, 8, False), (8, 33, True)])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_matches_the_reference_router(aux_free, k, E, renorm, loss):
+    torch.manual_seed(k * E)
+    extra = {} if renorm is None else {"renormalize": renorm}
+    cfg = MoEConfig(n_experts=E, top_k=k, aux_free_bias=aux_free, **extra)
+    router = build_router(40, cfg)
+    if aux_free:
+        router.selection_bias.copy_(torch.randn(E) * 0.01)
+    x, mask = torch.randn(300, 40), torch.rand(300) > 0.1
+    calls = []
+    real = native_router.softmax_topk
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(out is not None)
+        return out
+
+    native_router.softmax_topk, was = spy, native_router.softmax_topk
+    try:
+        got, gx, gw = _run(router, x, mask, LOSSES[loss], reference=False)
+    finally:
+        native_router.softmax_topk = was
+    want, wx, ww = _run(router, x, mask, LOSSES[loss], reference=True)
+    assert calls == [True]  # the C++ pass ran (and the reference did not call it)
+    assert torch.equal(got.experts, want.experts) and torch.equal(got.counts, want.counts)
+    assert torch.equal(got.valid, want.valid) and (got.weights[~mask] == 0).all()
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    for g, w in ((gx, wx), (gw, ww)):  # sums of cancelling terms: to the gradient's scale
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4 * w.abs().max().item())
+
+
+@needs_ext
+def test_tied_scores_run_the_reference():
+    """A zero router weight gives every expert the same probability: torch.topk's tie rule decides, as without the
+    extension."""
+    router = build_router(16, MoEConfig(n_experts=8, top_k=2))
+    with torch.no_grad():
+        router.weight.zero_()
+    x, mask = torch.randn(50, 16), torch.ones(50, dtype=torch.bool)
+    got = router(x, mask)
+    with native.disabled():
+        want = router(x, mask)
+    assert torch.equal(got.experts, want.experts) and torch.equal(got.weights, want.weights)
+    assert native_router.softmax_topk(torch.zeros(4, 8), None, torch.ones(4, dtype=torch.bool), 2, True) is None
+    assert native_router.softmax_topk(torch.tensor([[0.0, float("nan"), 1.0]]), None, torch.ones(1, dtype=torch.bool),
+                                      1, True) is None
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["sigmoid", "noisy", "xmoe"])
+def test_other_routers_keep_their_ops(name, monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("the softmax pass ran for another gate")
+
+    monkeypatch.setattr(native_router, "softmax_topk", refuse)
+    router = build_router(16, MoEConfig(n_experts=8, top_k=2, router=name))
+    out = router(torch.randn(20, 16))
+    assert out.experts.shape == (20, 2)
+
+
+def test_does_not_apply_off_its_inputs():
+    x = torch.randn(4, 8)
+    assert not native_router.applies(x, 8, 8)  # k = E: torch.topk's domain
+    assert not native_router.applies(x, 8, native.MAX_TOPK + 1)
+    with native.disabled():
+        assert not native_router.applies(x, 8, 2)
+    with torch.utils.flop_counter.FlopCounterMode(display=False):  # FLOP counts see the reference ops
+        assert not native_router.applies(x, 8, 2)
+    assert native_router.applies(x, 8, 2) == (native.expert_ops(torch.float32) is not None)
