@@ -3,6 +3,8 @@
 // per row of 96 experts, ~0.11 us here). Rows where equal scores or a NaN make torch.topk's choice or order
 // depend on its algorithm are flagged, and the caller lets torch.topk decide those rows
 // (mhmoe.moe.dispatch.native), so the result is torch.topk's on every row. Registered as torch.ops.mhmoe_cpu.topk_rows.
+// The softmax router's whole per-row work around it (softmax, top-k, combine weights) and its backward:
+// torch.ops.mhmoe_cpu.softmax_topk / softmax_topk_backward (mhmoe/moe/dispatch/native/router.py).
 //
 // Shape legend: S rows (routed sub-tokens), E scores per row (experts), K kept per row.
 
