@@ -40,18 +40,22 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def bench(runs: list[dict[str, Any]]) -> str:
     """``mhmoe bench moe``: the first run in full, the second's ratios beside it."""
+    paired = any("ratio_dense_auto_paired" in r for r in runs[0]["rows"])  # older files: medians only
     head = ["config", "dtype", "pass", "`auto` runs", "`auto` ms", "dense ms (scaled)", "dense/auto",
-            "dense/auto, run 2", "fastest path", "dense/fastest", "st_moe/fastest", "auto vs SMoE",
-            "auto vs SMoE, run 2"]
+            "dense/auto, run 2", *(["dense/auto paired", "paired, run 2"] if paired else []), "fastest path",
+            "dense/fastest", "st_moe/fastest", "auto vs SMoE", "auto vs SMoE, run 2",
+            *(["auto vs SMoE paired", "paired, run 2"] if paired else [])]
+    f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     rows = []
     for r, s in zip(runs[0]["rows"], runs[1]["rows"], strict=True):
         if (r["config"], r["dtype"], r["pass"]) != (s["config"], s["dtype"], s["pass"]):
             raise ValueError("the two runs' rows differ")
-        st = r.get("ratio_peer_st_moe")
+        pair = [f2(r.get("ratio_dense_auto_paired")), f2(s.get("ratio_dense_auto_paired"))] if paired else []
+        smoe = [f2(r.get("ratio_vs_smoe_paired")), f2(s.get("ratio_vs_smoe_paired"))] if paired else []
         rows.append([r["config"], r["dtype"], r["pass"], f"`{r['auto_impl']}`", f"{r['ms_' + r['auto_impl']]:.1f}",
-                     f"{r['ms_dense_norm']:.1f}", f"{r['ratio_dense_auto']:.2f}", f"{s['ratio_dense_auto']:.2f}",
-                     f"`{r['best_impl']}`", f"{r['ratio_dense']:.2f}", "-" if st is None else f"{st:.2f}",
-                     f"{r['ratio_vs_smoe_auto']:.2f}", f"{s['ratio_vs_smoe_auto']:.2f}"])
+                     f"{r['ms_dense_norm']:.1f}", f2(r["ratio_dense_auto"]), f2(s["ratio_dense_auto"]), *pair,
+                     f"`{r['best_impl']}`", f2(r["ratio_dense"]), f2(r.get("ratio_peer_st_moe")),
+                     f2(r["ratio_vs_smoe_auto"]), f2(s["ratio_vs_smoe_auto"]), *smoe])
     return _table(head, rows)
 
 

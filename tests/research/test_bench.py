@@ -28,6 +28,7 @@ def test_bench_moe_json_schema(tmp_path, capsys):
         assert r["ratio_dense"] == r["ms_dense_norm"] / r["ms_ours"] and r["tokens"] == 32
         assert r["ratio_floor"] == r["ms_floor"] / r["ms_ours"]
         assert r["ratio_vs_smoe"] == 1.0 and r["ratio_vs_smoe_auto"] == 1.0  # smoe against itself
+        assert r["ratio_vs_smoe_paired"] == 1.0 and r["ratio_dense_auto_paired"] > 0
     assert "| smoe | float32 | fwd |" in capsys.readouterr().out
     assert main(["bench", "moe", "--configs", "huge"]) == 2
 
@@ -79,6 +80,42 @@ def test_time_fns_round_robin_and_fallible_peers():
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then one of each per repeat, in turn
     with pytest.raises(RuntimeError):  # our own paths must not fail silently
         time_fns({"ours": fails}, torch.device("cpu"), repeats=1)
+
+
+def test_paired_ratio_cancels_a_machine_that_changes_speed():
+    """Two functions timed in turn while the machine runs at 1x, then 3x slower: the ratio of the medians mixes the
+    levels, the median of the per-repeat ratios does not; ``samples`` gets the times in repeat order."""
+    from mhmoe.research.bench import paired_ratio
+
+    dense = [10.0, 10.0, 30.0, 30.0, 30.0]
+    ours = [20.0, 20.0, 60.0, 60.0, 60.0]
+    assert paired_ratio(dense, ours) == 0.5
+    assert paired_ratio([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0  # the median, not the mean
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
+    samples: dict[str, list[float]] = {}
+    time_fns({"a": lambda: None, "b": lambda: None}, torch.device("cpu"), repeats=4, warmup=0, samples=samples)
+    assert set(samples) == {"a", "b"} and all(len(v) == 4 for v in samples.values())
+
+
+def test_bench_times_autos_path_right_before_the_dense_ffn(monkeypatch):
+    """paired_ratio's pairs are adjacent: in every repeat auto's path is the last of ours, the dense FFN next."""
+    import mhmoe.research.bench as bench
+
+    orders: list[list[str]] = []
+    real = bench.time_fns
+
+    def spy(fns, *a, **kw):
+        orders.append(list(fns))
+        return real(fns, *a, **kw)
+
+    monkeypatch.setattr(bench, "time_fns", spy)
+    rows = bench.bench_config(bench.CONFIGS["smoe"], 32, torch.float32, torch.device("cpu"), 1, passes=("fwd",),
+                              with_loop=False)
+    auto = rows[0]["auto_impl"]
+    order = orders[0]
+    assert order.index("ms_dense") == order.index(f"ms_{auto}") + 1
+    assert all(k.startswith("ms_") for k in order[: order.index("ms_dense")])
 
 
 def test_aligned_dense_width_and_gemm_floor():

@@ -22,9 +22,11 @@ On CUDA every row also records the peak memory of each candidate (``mb_<name>``,
 inputs and weights).
 
 Timing: warm-up, then the median of ``repeats`` runs, all candidates of a row timed round-robin
-(:func:`time_fns`); ``fwd`` runs under ``torch.no_grad()``,
-``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients and (by
-default) the input's gradient, as for any layer inside a network.
+(:func:`time_fns`), ``impl="auto"``'s path right before the dense FFN in every repeat: ``ratio_dense_auto_paired``
+is the median of the per-repeat ratios (:func:`paired_ratio`), robust where the machine's speed moves within
+seconds, and ``ratio_vs_smoe_paired`` the layer's time over SMoE's from the two rows' paired ratios. ``fwd`` runs
+under ``torch.no_grad()``, ``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients
+and (by default) the input's gradient, as for any layer inside a network.
 """
 
 from __future__ import annotations
@@ -181,10 +183,12 @@ def time_fn(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: i
 
 
 def time_fns(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int, warmup: int = 2,
-             fallible: frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
+             fallible: frozenset[str] = frozenset(),
+             samples: dict[str, list[float]] | None = None) -> tuple[dict[str, float], dict[str, str]]:
     """Median wall time in ms of every function, measured **round-robin**: each repeat runs every
-    function once in turn, so slow drifts of a shared machine (other tenants, frequency, memory
-    state) hit all candidates alike instead of whichever happened to be timed last.
+    function once in turn, in the dict's order, so slow drifts of a shared machine (other tenants, frequency,
+    memory state) hit all candidates alike instead of whichever happened to be timed last. ``samples``, when
+    given, receives every function's times in repeat order (for :func:`paired_ratio`).
 
     A function named in ``fallible`` that raises ``RuntimeError`` in the warm-up is dropped and its
     first error line returned in the second dict (peers that cannot run a config); other errors propagate.
@@ -208,7 +212,17 @@ def time_fns(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: i
             fn()
             _sync(device)
             times[name].append((time.perf_counter() - t0) * 1e3)
+    if samples is not None:
+        samples.update(times)
     return {name: statistics.median(ts) for name, ts in times.items()}, errors
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """The median over repeats of ``num[i] / den[i]``: the ratio of two functions timed one after the other in
+    each repeat of :func:`time_fns`. Where a machine's speed moves between levels within seconds (shared cloud
+    cores), both times of a pair mostly see the same level, while the ratio of two medians compares times from
+    different stretches."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def _runner(module: torch.nn.Module, x: torch.Tensor, pass_: str) -> Callable[[], Any]:
@@ -344,8 +358,10 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         row: dict[str, Any] = {"config": cfg.name, "dtype": str(dtype).replace("torch.", ""), "pass": pass_,
                                "tokens": tokens, "input_grad": input_grad, "flops_fwd": flops,
                                "dense_hidden": refs["dense"].experts.d_hidden, "dense_flops_fwd": ref_flops}
-        row["auto_impl"] = auto_path(next(iter(layers.values())), x)
-        fns = {f"ms_{impl}": _runner(layer, x, pass_) for impl, layer in layers.items()}
+        row["auto_impl"] = auto = auto_path(next(iter(layers.values())), x)
+        # auto's path timed last of ours, right before the dense FFN (the first reference): paired_ratio
+        order = sorted(layers, key=lambda impl: impl == auto)
+        fns = {f"ms_{impl}": _runner(layers[impl], x, pass_) for impl in order}
         skipped = skipped_peers(cfg, tokens, dtype, device, pass_, tuple(n[5:] for n in refs if n.startswith("peer_")),
                                 free_memory_bytes(device))
         if skipped:
@@ -357,8 +373,12 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
             fns[f"ms_{name}"] = _autocast(run, device, dtype) if _autocast_peer(name) and dtype != torch.float32 \
                 else run
         peer_keys = frozenset(k for k in fns if k.startswith("ms_peer_"))
-        times, errors = time_fns(fns, device, repeats, fallible=peer_keys)
+        samples: dict[str, list[float]] = {}
+        times, errors = time_fns(fns, device, repeats, fallible=peer_keys, samples=samples)
         row.update(times)
+        if f"ms_{auto}" in samples:  # the dense FFN's time (FLOP-normalised) over auto's, repeat by repeat
+            row["ratio_dense_auto_paired"] = paired_ratio(samples["ms_dense"], samples[f"ms_{auto}"]) * (
+                flops / ref_flops)
         if device.type == "cuda":
             row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
         _summarise(row, layers, refs, errors, flops / ref_flops)
@@ -443,6 +463,10 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
         r["ratio_vs_smoe"] = r["ms_ours"] / base["ms_ours"] if base else None
         auto, base_auto = r.get(f"ms_{r.get('auto_impl')}"), base and base.get(f"ms_{base.get('auto_impl')}")
         r["ratio_vs_smoe_auto"] = auto / base_auto if auto and base_auto else None  # impl="auto" in both
+        # the same from each row's paired dense ratio: the two layers' times (equal FLOPs) each measured against
+        # its own dense FFN, so that the machine's speed when each row ran drops out
+        paired, base_paired = r.get("ratio_dense_auto_paired"), base and base.get("ratio_dense_auto_paired")
+        r["ratio_vs_smoe_paired"] = base_paired / paired if paired and base_paired else None
     machine = machine_info(dev)
     machine["loadavg_before"] = load_before  # 1, 5, 15-minute load averages: other work on the machine
     machine["loadavg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -467,8 +491,8 @@ def format_rows(result: dict) -> str:
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
     pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
-            + ["ours ms", "loop ms", "dense ms", "dense/ours", "auto", "dense/auto", "floor ms", "floor/ours",
-               "loop/ours", "vs smoe", "auto vs smoe"]
+            + ["ours ms", "loop ms", "dense ms", "dense/ours", "auto", "dense/auto", "dense/auto paired", "floor ms",
+               "floor/ours", "loop/ours", "vs smoe", "auto vs smoe", "auto vs smoe paired"]
             + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
             + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -476,9 +500,10 @@ def format_rows(result: dict) -> str:
     for r in rows:
         cells = [r["config"], r["dtype"], r["pass"], str(r["tokens"])] + [fmt(r.get(f"ms_{i}")) for i in impls]
         cells += [fmt(r["ms_ours"]), fmt(r["ms_loop"]), fmt(r["ms_dense"]), fmt(r["ratio_dense"], 2),
-                  f"`{r.get('auto_impl')}`", fmt(r.get("ratio_dense_auto"), 2), fmt(r["ms_floor"]),
-                  fmt(r["ratio_floor"], 2), fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2),
-                  fmt(r.get("ratio_vs_smoe_auto"), 2)]
+                  f"`{r.get('auto_impl')}`", fmt(r.get("ratio_dense_auto"), 2),
+                  fmt(r.get("ratio_dense_auto_paired"), 2), fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2),
+                  fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2), fmt(r.get("ratio_vs_smoe_auto"), 2),
+                  fmt(r.get("ratio_vs_smoe_paired"), 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         if pred:
             cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]

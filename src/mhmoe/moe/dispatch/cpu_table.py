@@ -93,7 +93,7 @@ TABLE: dict[tuple[str, str, str], CpuChoice] = {
         CpuChoice('fused', 16, -1.0, True,
                   'cpu_dispatch_amx_2t.json, cpu_dispatch_amx_2t_tuned.json, cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'bfloat16', 'small'):
-        CpuChoice('fused', 16, -1.0, True,
+        CpuChoice('fused', 32, -1.0, True,
                   'cpu_dispatch_amx_tiny_2t_tuned.json'),
     ('amx', 'bfloat16', 'thin_wide'):
         CpuChoice('fused', 32, -1.0, True,
