@@ -148,8 +148,7 @@ class Router(nn.Module):
             from mhmoe.moe.dispatch.native import router as cpu_router
         except ImportError:  # the exported model code (trust_remote_code) carries no C++
             return None
-        E = self.n_experts
-        if not cpu_router.applies(xg, E, self.top_k):
+        if not cpu_router.applies(xg, self.n_experts, self.top_k):
             return None
         logits = _linear(xg, self.weight)
         bias = self.selection_bias if self.aux_free else None
