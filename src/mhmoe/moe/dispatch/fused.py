@@ -365,16 +365,27 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     if max_batch_padding is None:
         max_batch_padding = entry.max_batch_padding if entry else -1.0
     layout = row_layout(route.experts, route.valid, experts.n_experts, align, -1.0 if chunk else max_batch_padding)
-    ws = [None if w is None else w.to(dtype) for w in (experts.w1, experts.w2, experts.w3)]
+    ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
+    gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden) if ops is not None else GEMM_ATEN
+    own = gemm != GEMM_ATEN and dtype == torch.bfloat16
+    ws = [_loop_weight(w, dtype, own) for w in (experts.w1, experts.w2, experts.w3)]
     if workers is None:
         threads = entry is None or entry.expert_threads
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, route.weights, *ws))
-    ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
-    gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden) if ops is not None else GEMM_ATEN
     with torch.autocast(x.device.type, enabled=False):
         return _FusedMoE.apply(x.to(dtype), route.weights.to(dtype), ws[0], ws[1], ws[2], layout, chunk, workers,
                                ops, trains, gemm)
+
+
+def _loop_weight(w: Tensor | None, dtype: torch.dtype, own: bool) -> Tensor | None:
+    """An expert weight as the loop takes it: cast to the compute ``dtype``, except an fp32 weight (bf16 autocast)
+    for the C++ loop's own bf16 kernels (``own``), which round it to bf16 as the cast does while they pack it and
+    widen its gradient as they write it: the cast's numbers, without the weight's bf16 copy (kept for the backward)
+    and the cast of its gradient back, two passes over every expert weight per step."""
+    if w is None or (own and w.dtype == torch.float32):
+        return w
+    return w.to(dtype)
 
 
 def _native_ops(native: bool | None, device: torch.device, dtype: torch.dtype) -> Any | None:

@@ -99,6 +99,21 @@ MHMOE_BF16_TARGET inline void pack_col_pairs(const uint32_t* src, int64_t ld32, 
     for (int64_t kk = 0; kk < KK; ++kk) P[kk * N + n] = src[n * ld32 + kk];
 }
 
+// dst[i] = bf16(src[i]) for the first multiple of 32 of n elements, rounded to nearest even as ATen rounds (the
+// instruction's rounding; a block of 32 with a denormal or a NaN, which the instruction flushes or quiets, is left
+// to the caller); returns how many it wrote.
+MHMOE_BF16_TARGET inline int64_t round_bf16(const float* src, int64_t n, void* dst) {
+  auto* d = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(src + i), hi = _mm512_loadu_ps(src + i + 16);
+    // fpclass: 0x01 QNaN, 0x80 SNaN, 0x20 denormal
+    if (_mm512_fpclass_ps_mask(lo, 0xA1) | _mm512_fpclass_ps_mask(hi, 0xA1)) break;
+    _mm512_storeu_si512(d + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  return i;
+}
+
 // out[R, 32] (+)= A[R rows] · P[:, 32 columns] over KK pairs.
 template <int R>
 MHMOE_BF16_TARGET inline void kernel(const uint32_t* A, int64_t a_row, int64_t a_k, const uint32_t* P, int64_t N,

@@ -28,6 +28,9 @@
 #include <numeric>
 #include <utility>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -48,17 +51,65 @@ inline uint32_t* cache_aligned(std::vector<uint32_t>& buf, int64_t n) {
   return reinterpret_cast<uint32_t*>((p + 63) & ~uintptr_t{63});
 }
 
+// dst[r][c] (row stride ldd) = bf16(src[r][c]) (row stride lds) for r < rows, c < cols: fp32 rounded to bf16 as
+// Tensor.to(torch.bfloat16) rounds (ATen's conversion, nearest even).
+inline void round_rows_bf16(const float* src, int64_t lds, int64_t rows, int64_t cols, at::BFloat16* dst,
+                            int64_t ldd) {
+  constexpr int64_t W = 2 * mhmoe_native::fVec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    at::BFloat16* d = dst + r * ldd;
+    int64_t c = 0;
+#ifdef MHMOE_DOT_GEMM
+    if (mhmoe_native::dot_gemm::supported()) c = mhmoe_native::dot_gemm::round_bf16(s, cols, d);
+#endif
+    for (; c + W <= cols; c += W) {
+      mhmoe_native::fVec a, b;
+      mhmoe_native::load2(s + c, a, b);
+      mhmoe_native::store2(d + c, a, b);
+    }
+    for (; c < cols; ++c) d[c] = at::BFloat16(s[c]);
+  }
+}
+
 // Columns [n0, n0 + np) of the own kernels' right operand B [K, N] (row-major, or a transposed view of a row-major
-// matrix with K even and rows 4-byte aligned) as K-pairs into P [KK][np], the pair rows past K's zero.
+// matrix with K even and rows 4-byte aligned) as K-pairs into P [KK][np], the pair rows past K's zero. An fp32 B
+// (a weight under bf16 autocast) is rounded to bf16 on the way, as Tensor.to(torch.bfloat16) rounds it: the panel's
+// elements into per-thread scratch first, then packed from there.
 inline void pack_b_panel(const Tensor& b, int64_t n0, int64_t np, int64_t KK, uint32_t* P) {
   namespace dg = mhmoe_native::dot_gemm;
   const int64_t K = b.size(0), KKb = (K + 1) / 2;  // KKb pair rows hold B
-  const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
-  if (b.stride(1) == 1)
-    dg::pack_row_pairs(bp + n0, b.stride(0), K, np, P);
-  else
-    dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np, P);
+  if (b.scalar_type() == at::kFloat) {
+    thread_local std::vector<uint32_t> scratch;
+    auto* bf = reinterpret_cast<at::BFloat16*>(cache_aligned(scratch, (K * np + 1) / 2));
+    const auto* rounded = reinterpret_cast<const uint16_t*>(bf);
+    const float* src = b.const_data_ptr<float>();
+    if (b.stride(1) == 1) {  // B's rows, columns [n0, n0 + np) -> [K, np]
+      round_rows_bf16(src + n0, b.stride(0), K, np, bf, np);
+      dg::pack_row_pairs(rounded, np, K, np, P);
+    } else {  // B = w.t() for w [N, K] row-major: w's rows [n0, n0 + np) -> [np, K]
+      round_rows_bf16(src + n0 * b.stride(1), b.stride(1), np, K, bf, K);
+      dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(rounded), K / 2, KKb, np, P);
+    }
+  } else {
+    const auto* bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>());
+    if (b.stride(1) == 1)
+      dg::pack_row_pairs(bp + n0, b.stride(0), K, np, P);
+    else
+      dg::pack_col_pairs(reinterpret_cast<const uint32_t*>(bp + n0 * b.stride(1)), b.stride(1) / 2, KKb, np, P);
+  }
   std::fill(P + KKb * np, P + KK * np, 0u);
+}
+
+// Whether the own kernels can take b as their right operand (pack_b_panel): bf16, or fp32 (rounded while packed)
+// when a is bf16; row-major, or a transposed view of a row-major matrix with K even (bf16: rows 4-byte aligned).
+inline bool packable(const Tensor& a, const Tensor& b) {
+  const int64_t K = b.size(0);
+  const bool f32 = b.scalar_type() == at::kFloat && a.scalar_type() == at::kBFloat16;
+  if (!f32 && b.scalar_type() != at::kBFloat16) return false;
+  if (b.stride(1) == 1) return true;
+  const bool aligned = f32 || reinterpret_cast<uintptr_t>(b.const_data_ptr()) % 4 == 0;
+  return b.stride(0) == 1 && K % 2 == 0 && b.stride(1) % 2 == 0 && aligned;
 }
 
 // B [K, N] (as pack_b_panel takes it) packed and used one column panel at a time, each small enough to stay in L2
@@ -121,11 +172,9 @@ struct DotGemm {
     const int64_t K = a.size(1), N = b.size(1);
     const bool a_rows = a.stride(1) == 1 && K % 2 == 0 && aligned(a, a.stride(0));
     const bool a_cols = a.stride(0) == 1;
-    const bool b_rows = b.stride(1) == 1, b_cols = b.stride(0) == 1 && K % 2 == 0 && aligned(b, b.stride(1));
-    return mhmoe_native::dot_gemm::supported() && a.scalar_type() == at::kBFloat16 &&
-           b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-           (a_rows || a_cols) && (b_rows || b_cols) && N % 32 == 0 &&
-           out.is_contiguous() && K > 0 && a.size(0) > 0;
+    return mhmoe_native::dot_gemm::supported() && a.scalar_type() == at::kBFloat16 && packable(a, b) &&
+           out.scalar_type() == at::kBFloat16 && (a_rows || a_cols) && N % 32 == 0 && out.is_contiguous() &&
+           K > 0 && a.size(0) > 0;
   }
   static void run(Tensor& out, const Tensor& a, const Tensor& b, bool add, const Tensor& next, bool stream) {
     RECORD_FUNCTION("mhmoe::dot_gemm", std::vector<c10::IValue>());  // a profiler label (benchmarks/moe_profile.py)
@@ -165,10 +214,8 @@ struct TileScope {
 struct AmxGemm {
   static bool fits(const Tensor& out, const Tensor& a, const Tensor& b) {
     const int64_t K = a.size(1), N = b.size(1);
-    const bool b_rows = b.stride(1) == 1, b_cols = b.stride(0) == 1 && K % 2 == 0 && DotGemm::aligned(b, b.stride(1));
-    return mhmoe_native::amx_gemm::supported() && a.scalar_type() == at::kBFloat16 &&
-           b.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && (b_rows || b_cols) &&
-           N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
+    return mhmoe_native::amx_gemm::supported() && a.scalar_type() == at::kBFloat16 && packable(a, b) &&
+           out.scalar_type() == at::kBFloat16 && N % 32 == 0 && out.is_contiguous() && K > 0 && a.size(0) > 0;
   }
   // The left operand as the tiles read it: A row-major [.., Kp] (stride lda), in place or a zero-padded copy, and
   // `tail`, where M is not a multiple of 16, a zero-padded copy of its last M % 32 rows (amx_gemm::for_blocks).
@@ -264,11 +311,46 @@ struct AmxGemm {
 };
 #endif
 
+// dst [n] fp32 = src [n] bf16 (exact); `stream`: around the cache where dst starts on a cache line (AVX-512 builds).
+inline void widen_bf16(const at::BFloat16* src, float* dst, int64_t n, bool stream) {
+  constexpr int64_t W = 2 * mhmoe_native::fVec::size();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    for (; i + W <= n; i += W) {
+      mhmoe_native::fVec lo, hi;
+      mhmoe_native::load2(src + i, lo, hi);
+      _mm512_stream_ps(dst + i, __m512(lo));
+      _mm512_stream_ps(dst + i + mhmoe_native::fVec::size(), __m512(hi));
+    }
+    _mm_sfence();
+  }
+#endif
+  for (; i + W <= n; i += W) {
+    mhmoe_native::fVec lo, hi;
+    mhmoe_native::load2(src + i, lo, hi);
+    mhmoe_native::store2(dst + i, lo, hi);
+  }
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+
 // out = a · b (add: out += a · b, rounded once as addmm_) where `gemm` says, where that kernel fits; else ATen's.
 // Hints for the own kernels: `next`, what the caller reads after this GEMM (the next weight matrix), pulled into the
 // cache during it; `stream`, an output not read again soon (the weight gradients), written around the cache.
+// Under bf16 autocast (bf16 a, fp32 weights): an fp32 b is rounded to bf16 as Tensor.to rounds it (while packed, or
+// cast for ATen), and an fp32 `out` (a weight's gradient) gets the bf16 product widened, the numbers of the bf16
+// GEMM followed by autograd's cast of the gradient back to the weight's dtype, without the bf16 copies in memory.
 void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm, const Tensor& next = Tensor(),
             bool stream = false) {
+  if (out.scalar_type() != a.scalar_type()) {
+    TORCH_CHECK(!add && out.is_contiguous() && out.scalar_type() == at::kFloat && a.scalar_type() == at::kBFloat16,
+                "matmul: an fp32 output of bf16 operands is written whole and contiguous");
+    thread_local std::vector<uint32_t> scratch;
+    Tensor r = at::from_blob(cache_aligned(scratch, (out.numel() + 1) / 2), out.sizes(), a.options());
+    matmul(r, a, b, false, gemm, next, false);
+    widen_bf16(r.const_data_ptr<at::BFloat16>(), out.mutable_data_ptr<float>(), out.numel(), stream);
+    return;
+  }
 #ifdef MHMOE_AMX_GEMM
   if (gemm == kAmx && AmxGemm::fits(out, a, b)) {
     AmxGemm::run(out, a, b, add, next, stream);
@@ -281,10 +363,11 @@ void matmul(Tensor out, const Tensor& a, const Tensor& b, bool add, int64_t gemm
     return;
   }
 #endif
+  const Tensor bb = b.scalar_type() == a.scalar_type() ? b : b.to(a.scalar_type());
   if (add)
-    out.addmm_(a, b);
+    out.addmm_(a, bb);
   else
-    at::mm_out(out, a, b);
+    at::mm_out(out, a, bb);
 }
 
 // A SwiGLU expert's up-projection and activation in one pass where the AMX kernel runs them (AmxGemm::run_glu: a1,
@@ -371,6 +454,10 @@ void check_shapes(const Tensor& xs, const Tensor& w1, const Tensor& w2, const st
                   const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
   TORCH_CHECK(xs.dim() == 2 && xs.is_contiguous(), "xs must be a contiguous [R, D] tensor");
   const int64_t R = xs.size(0), D = xs.size(1), E = w1.size(0), F = w1.size(2);
+  const auto wt = w1.scalar_type();
+  TORCH_CHECK(wt == xs.scalar_type() || (xs.scalar_type() == at::kBFloat16 && wt == at::kFloat),
+              "w1/w2/w3 must have the rows' dtype (or float32 for bfloat16 rows: bf16 autocast)");
+  TORCH_CHECK(w2.scalar_type() == wt && (!w3 || w3->scalar_type() == wt), "w1, w2 and w3 must share a dtype");
   TORCH_CHECK(w1.dim() == 3 && w1.size(1) == D && w2.sizes() == at::IntArrayRef({E, F, D}), "w1/w2 shapes");
   TORCH_CHECK(!w3 || w3->sizes() == w1.sizes(), "w3 must have w1's shape");
   TORCH_CHECK((int64_t)starts.size() == E && (int64_t)sizes.size() == E, "starts/sizes need one entry per expert");
@@ -513,6 +600,11 @@ std::vector<Tensor> expert_backward(const Tensor& xs, const Tensor& h1, const st
 void expert_matmul(const Tensor& a, const Tensor& b, Tensor out, bool add, int64_t gemm, bool stream) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) && out.size(0) == a.size(0) &&
               out.size(1) == b.size(1), "expert_matmul: shapes");
+  const auto dt = a.scalar_type();
+  const bool bf16 = dt == at::kBFloat16;
+  TORCH_CHECK((b.scalar_type() == dt || (bf16 && b.scalar_type() == at::kFloat)) &&
+              (out.scalar_type() == dt || (bf16 && !add && out.scalar_type() == at::kFloat)),
+              "expert_matmul: b and out of a's dtype, or float32 for a bfloat16 a (out: not with add)");
   at::NoGradGuard no_grad;
   matmul(out, a, b, add, gemm, Tensor(), stream);
 }
