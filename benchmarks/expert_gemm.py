@@ -6,12 +6,17 @@ Each layer (``benchmarks/cpu_dispatch.py``'s configurations, ``auto``'s row layo
 with both back ends in turn, round-robin in one process; medians, the speedup and how many of the output and
 gradient tensors came out bit-identical (both sum in K order in fp32; where oneDNN splits a long K the last bit
 differs). With ``--presets``, whole training steps of those presets instead (``benchmarks/train_throughput.py``'s
-step, bf16), each back end with rows aligned to 16 and to 32, against the dense preset's FLOP rate::
+step, bf16), each back end with rows aligned to 16 and to 32, against the dense preset's FLOP rate. With
+``--autocast``, each layer in fp32 under bf16 autocast instead (as training with ``train.dtype=bfloat16`` runs it):
+``auto``'s loop on the fp32 expert weights as they are (its own kernels round them while packing them) against the
+same loop on weights cast to bf16 first::
 
     MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 \\
         --json benchmarks/results/expert_gemm_avx512bf16_2t.json
     MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 --presets tiny-mh2 tiny-mh3 \\
         --json benchmarks/results/expert_gemm_models_avx512bf16_2t.json
+    MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 --autocast \\
+        --json benchmarks/results/expert_gemm_autocast_amx_2t.json
 """
 
 from __future__ import annotations
@@ -92,6 +97,56 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
             "tensors_equal": sum(equal), "tensors": len(equal)}
 
 
+@contextmanager
+def cast_first(on: bool) -> Iterator[None]:
+    """Within the block (on) the fused path casts fp32 expert weights to the autocast dtype before the loop, as it
+    does for ATen's GEMMs, instead of handing them to the loop's own kernels as they are (fused._loop_weight)."""
+    rule = fused._loop_weight
+    if on:
+        fused._loop_weight = lambda w, dtype, own: None if w is None else w.to(dtype)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fused._loop_weight = rule  # type: ignore[assignment]
+
+
+def _autocast_step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Forward under bf16 autocast + backward; the output and every gradient (inputs first)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, mask=None).out
+    out.float().square().mean().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+def measure_autocast(name: str, rounds: int, seed: int = 0) -> dict:
+    """The fp32 layer under bf16 autocast, fwd+bwd: the loop on its fp32 weights against casting them first."""
+    d, moe, tokens = layer_configs()[name]
+    torch.manual_seed(seed)
+    layer = build_ffn_layer(d, replace(moe, impl="auto"))
+    x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed))
+    results, times = {}, {False: [], True: []}
+    for flag in (False, True):
+        with cast_first(flag):
+            results[flag] = _autocast_step(layer, x)
+    for _ in range(rounds):
+        for flag in (False, True):
+            with cast_first(flag):
+                t0 = time.perf_counter()
+                _autocast_step(layer, x)
+                times[flag].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
+    experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))
+    return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
+            "tokens": tokens or 2048, "ms_cast": ms[True], "ms_fp32_weights": ms[False],
+            "speedup": ms[True] / ms[False],
+            "auto_uses_own": native.expert_gemm(torch.bfloat16, experts.d_in,
+                                                 experts.d_hidden) != native.GEMM_ATEN,
+            "tensors_equal": sum(equal), "tensors": len(equal)}
+
+
 def measure_models(presets: list[str], rounds: int, dense: str = "tiny-dense") -> list[dict]:
     """Training steps of ``presets`` (bf16) per (back end, alignment), round-robin with the ``dense`` preset."""
     from train_throughput import prepare_preset
@@ -118,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", nargs="+", default=LAYERS, choices=sorted(layer_configs()), help="layers to time")
     p.add_argument("--presets", nargs="+", default=None,
                    help="time whole bf16 training steps of these presets instead of layers (against tiny-dense)")
+    p.add_argument("--autocast", action="store_true",
+                   help="time the fp32 layers under bf16 autocast instead: the loop on the fp32 weights as they are "
+                        "against casting them to bf16 first")
     p.add_argument("--rounds", type=int, default=9, help="timed round-robin rounds")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
@@ -135,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(f"{row['preset']:11s} {row['gemm']:12s} align {row['align'] or '-':>2}  "
                   f"{row['ms_per_step']:7.1f} ms/step  vs dense {row['vs_dense']:.3f}")
-    for name in [] if args.presets else args.layers:
+    for name in args.layers if args.autocast and not args.presets else []:
+        row = measure_autocast(name, args.rounds)
+        rows.append(row)
+        print(f"{name:11s} cast first {row['ms_cast']:7.1f} ms  fp32 weights {row['ms_fp32_weights']:7.1f} ms  "
+              f"speedup {row['speedup']:.3f}  equal {row['tensors_equal']}/{row['tensors']}  "
+              f"auto: {'own' if row['auto_uses_own'] else 'at::mm'}")
+    for name in [] if args.presets or args.autocast else args.layers:
         row = measure(name, args.rounds)
         rows.append(row)
         print(f"{name:11s} at::mm {row['ms_aten']:7.1f} ms  own {row['ms_own']:7.1f} ms  "

@@ -349,6 +349,8 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     None: the CPU dispatch table's values
     (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere; the table also says whether
     ``workers=None`` may use expert threads.
+    Under autocast the experts run in the autocast dtype: their weights are cast to it, except fp32 weights for
+    the C++ loop's own bf16 kernels, which take them as they are (:func:`_loop_weight`; the same numbers).
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
     activation quantization or sub-norms): :func:`mhmoe.moe.dispatch.choose_impl` runs ``sorted`` for them.
     """
