@@ -27,10 +27,11 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,13 +64,41 @@ def own_kernel(on: bool, align: int | None = None) -> Iterator[None]:
         fused.expert_gemm, fused.cpu_choice = rule, table  # type: ignore[assignment]
 
 
-def _step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """Forward + backward; the output and every gradient (inputs first)."""
+def _step(layer: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> list[torch.Tensor]:
+    """Forward (under bf16 autocast with ``autocast``) + backward; the output and every gradient (inputs first)."""
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    out = layer(x, mask=None).out
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = layer(x, mask=None).out
     out.float().square().mean().backward()
     return [out.detach(), x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+def _round_robin(layer: torch.nn.Module, x: torch.Tensor, variant: Callable[[bool], Any], rounds: int,
+                 autocast: bool = False) -> tuple[dict[bool, float], list[bool]]:
+    """Median ms of fwd+bwd within ``variant(False)`` and ``variant(True)`` (context managers), in turn over
+    ``rounds``, and which output / gradient tensors the two gave bit-identical."""
+    results, times = {}, {False: [], True: []}
+    for flag in (False, True):
+        with variant(flag):
+            results[flag] = _step(layer, x, autocast)
+    for _ in range(rounds):
+        for flag in (False, True):
+            with variant(flag):
+                t0 = time.perf_counter()
+                _step(layer, x, autocast)
+                times[flag].append(time.perf_counter() - t0)
+    equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, equal
+
+
+def _layer_row(name: str, layer: torch.nn.Module, tokens: int, equal: list[bool]) -> dict:
+    """The layer's routed experts and whether ``auto`` runs them on the own kernel, with the equality count."""
+    experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))  # the routed experts
+    return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
+            "tokens": tokens, "auto_uses_own": native.expert_gemm(torch.bfloat16, experts.d_in,
+                                                                  experts.d_hidden) != native.GEMM_ATEN,
+            "tensors_equal": sum(equal), "tensors": len(equal)}
 
 
 def measure(name: str, rounds: int, seed: int = 0) -> dict:
@@ -77,24 +106,9 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     layer = build_ffn_layer(d, replace(moe, impl="auto")).to(torch.bfloat16)
     x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    results, times = {}, {False: [], True: []}
-    for flag in (False, True):
-        with own_kernel(flag):
-            results[flag] = _step(layer, x)
-    for _ in range(rounds):
-        for flag in (False, True):
-            with own_kernel(flag):
-                t0 = time.perf_counter()
-                _step(layer, x)
-                times[flag].append(time.perf_counter() - t0)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
-    experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))  # the routed experts
-    return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
-            "tokens": tokens or 2048, "ms_aten": ms[False], "ms_own": ms[True], "speedup": ms[False] / ms[True],
-            "auto_uses_own": native.expert_gemm(torch.bfloat16, experts.d_in,
-                                                 experts.d_hidden) != native.GEMM_ATEN,
-            "tensors_equal": sum(equal), "tensors": len(equal)}
+    ms, equal = _round_robin(layer, x, own_kernel, rounds)
+    return {**_layer_row(name, layer, tokens or 2048, equal), "ms_aten": ms[False], "ms_own": ms[True],
+            "speedup": ms[False] / ms[True]}
 
 
 @contextmanager
@@ -110,41 +124,15 @@ def cast_first(on: bool) -> Iterator[None]:
         fused._loop_weight = rule  # type: ignore[assignment]
 
 
-def _autocast_step(layer: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """Forward under bf16 autocast + backward; the output and every gradient (inputs first)."""
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(x, mask=None).out
-    out.float().square().mean().backward()
-    return [out.detach(), x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
-
-
 def measure_autocast(name: str, rounds: int, seed: int = 0) -> dict:
     """The fp32 layer under bf16 autocast, fwd+bwd: the loop on its fp32 weights against casting them first."""
     d, moe, tokens = layer_configs()[name]
     torch.manual_seed(seed)
     layer = build_ffn_layer(d, replace(moe, impl="auto"))
     x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed))
-    results, times = {}, {False: [], True: []}
-    for flag in (False, True):
-        with cast_first(flag):
-            results[flag] = _autocast_step(layer, x)
-    for _ in range(rounds):
-        for flag in (False, True):
-            with cast_first(flag):
-                t0 = time.perf_counter()
-                _autocast_step(layer, x)
-                times[flag].append(time.perf_counter() - t0)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    equal = [torch.equal(a, b) for a, b in zip(results[False], results[True], strict=True)]
-    experts = next(m for m in layer.modules() if isinstance(m, GroupedExperts))
-    return {"layer": name, "d_in": experts.d_in, "d_hidden": experts.d_hidden, "n_experts": experts.n_experts,
-            "tokens": tokens or 2048, "ms_cast": ms[True], "ms_fp32_weights": ms[False],
-            "speedup": ms[True] / ms[False],
-            "auto_uses_own": native.expert_gemm(torch.bfloat16, experts.d_in,
-                                                 experts.d_hidden) != native.GEMM_ATEN,
-            "tensors_equal": sum(equal), "tensors": len(equal)}
+    ms, equal = _round_robin(layer, x, cast_first, rounds, autocast=True)
+    return {**_layer_row(name, layer, tokens or 2048, equal), "ms_cast": ms[True], "ms_fp32_weights": ms[False],
+            "speedup": ms[True] / ms[False]}
 
 
 def measure_models(presets: list[str], rounds: int, dense: str = "tiny-dense") -> list[dict]:
