@@ -124,15 +124,37 @@ def cast_first(on: bool) -> Iterator[None]:
         fused._loop_weight = rule  # type: ignore[assignment]
 
 
+def saved_mb(layer: torch.nn.Module, x: torch.Tensor, autocast: bool) -> float:
+    """MB that autograd keeps for the backward of one fwd+bwd step: the storages of every saved tensor but the
+    layer's parameters (``torch.autograd.graph.saved_tensors_hooks`` sees them all, custom Functions' included)."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _step(layer, x, autocast)
+    return sum(kept.values()) / 1e6
+
+
 def measure_autocast(name: str, rounds: int, seed: int = 0) -> dict:
-    """The fp32 layer under bf16 autocast, fwd+bwd: the loop on its fp32 weights against casting them first."""
+    """The fp32 layer under bf16 autocast, fwd+bwd: the loop on its fp32 weights against casting them first (time
+    and what the backward keeps)."""
     d, moe, tokens = layer_configs()[name]
     torch.manual_seed(seed)
     layer = build_ffn_layer(d, replace(moe, impl="auto"))
     x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed))
     ms, equal = _round_robin(layer, x, cast_first, rounds, autocast=True)
+    saved = {}
+    for flag in (False, True):
+        with cast_first(flag):
+            saved[flag] = saved_mb(layer, x, autocast=True)
     return {**_layer_row(name, layer, tokens or 2048, equal), "ms_cast": ms[True], "ms_fp32_weights": ms[False],
-            "speedup": ms[True] / ms[False]}
+            "speedup": ms[True] / ms[False], "saved_mb_cast": saved[True], "saved_mb_fp32_weights": saved[False]}
 
 
 def measure_models(presets: list[str], rounds: int, dense: str = "tiny-dense") -> list[dict]:
@@ -185,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         row = measure_autocast(name, args.rounds)
         rows.append(row)
         print(f"{name:11s} cast first {row['ms_cast']:7.1f} ms  fp32 weights {row['ms_fp32_weights']:7.1f} ms  "
-              f"speedup {row['speedup']:.3f}  equal {row['tensors_equal']}/{row['tensors']}  "
+              f"speedup {row['speedup']:.3f}  kept {row['saved_mb_cast']:.1f} / {row['saved_mb_fp32_weights']:.1f} MB  "
+              f"equal {row['tensors_equal']}/{row['tensors']}  "
               f"auto: {'own' if row['auto_uses_own'] else 'at::mm'}")
     for name in [] if args.presets or args.autocast else args.layers:
         row = measure(name, args.rounds)
