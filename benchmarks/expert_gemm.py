@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_dispatch import layer_configs  # noqa: E402
+from thin_experts import saved_bytes  # noqa: E402
 
 import mhmoe.moe.dispatch.fused as fused  # noqa: E402
 from mhmoe.moe.dispatch import native  # noqa: E402
@@ -124,23 +125,6 @@ def cast_first(on: bool) -> Iterator[None]:
         fused._loop_weight = rule  # type: ignore[assignment]
 
 
-def saved_mb(layer: torch.nn.Module, x: torch.Tensor, autocast: bool) -> float:
-    """MB that autograd keeps for the backward of one fwd+bwd step: the storages of every saved tensor but the
-    layer's parameters (``torch.autograd.graph.saved_tensors_hooks`` sees them all, custom Functions' included)."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _step(layer, x, autocast)
-    return sum(kept.values()) / 1e6
-
-
 def measure_autocast(name: str, rounds: int, seed: int = 0) -> dict:
     """The fp32 layer under bf16 autocast, fwd+bwd: the loop on its fp32 weights against casting them first (time
     and what the backward keeps)."""
@@ -150,9 +134,9 @@ def measure_autocast(name: str, rounds: int, seed: int = 0) -> dict:
     x = torch.randn(1, tokens or 2048, d, generator=torch.Generator().manual_seed(seed))
     ms, equal = _round_robin(layer, x, cast_first, rounds, autocast=True)
     saved = {}
-    for flag in (False, True):
+    for flag in (False, True):  # what the backward keeps: the saved tensors but the parameters (thin_experts.py)
         with cast_first(flag):
-            saved[flag] = saved_mb(layer, x, autocast=True)
+            saved[flag] = saved_bytes(layer, x, torch.bfloat16) / 1e6
     return {**_layer_row(name, layer, tokens or 2048, equal), "ms_cast": ms[True], "ms_fp32_weights": ms[False],
             "speedup": ms[True] / ms[False], "saved_mb_cast": saved[True], "saved_mb_fp32_weights": saved[False]}
 

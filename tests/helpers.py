@@ -2,10 +2,12 @@
 the oracle pair for layer tests and tiny training runs on a generated corpus."""
 
 import copy
+import importlib.util
 import json
 import random
 import re
 import signal
+import sys
 from pathlib import Path
 
 from mhmoe.config.data import DataConfig
@@ -199,3 +201,16 @@ def within(fn, fifos=(), seconds: float = 30.0):
     if "error" in out:
         raise out["error"]
     return out.get("value")
+
+
+def load_script(relpath: str):
+    """A script of the repository (``benchmarks/cpu_memory.py``) as a module, its folder importable (the
+    benchmarks import each other)."""
+    path = Path(__file__).resolve().parents[1] / relpath
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -366,6 +366,12 @@ def test_expert_gemm_benchmark_smoke(tmp_path, capsys):
     assert row["layer"] == "tiny-mh3" and row["d_in"] == 64 and row["ms_aten"] > 0 and row["ms_own"] > 0
     assert row["tensors"] == 10 and row["auto_uses_own"] == (
         native.expert_gemm(torch.bfloat16, 64, row["d_hidden"]) != native.GEMM_ATEN)
+    loop_weight = fused._loop_weight
+    assert bench.main(["--layers", "tiny-mh3", "--rounds", "1", "--autocast", "--json", str(out)]) == 0
+    assert fused._loop_weight is loop_weight  # restored after the benchmark
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["ms_cast"] > 0 and row["ms_fp32_weights"] > 0 and row["tensors_equal"] == row["tensors"] == 10
+    assert row["saved_mb_cast"] > row["saved_mb_fp32_weights"] > 0  # the bf16 weight copies are not kept
 
 
 def test_native_ops_benchmark_smoke(tmp_path, capsys):

@@ -6,11 +6,14 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import load_script
 from moe.test_fused import _grads, _route
 
 import mhmoe.moe.dispatch.fused as fused
+from mhmoe.config.moe import MoEConfig
 from mhmoe.moe.dispatch import native
 from mhmoe.moe.experts import GroupedExperts
+from mhmoe.moe.layers import build_ffn_layer
 
 BF16 = torch.bfloat16
 needs_ext = pytest.mark.skipif(native.expert_ops(BF16) is None, reason="C++ CPU expert loop not built here")
@@ -128,3 +131,19 @@ def test_loop_weight_keeps_fp32_weights_only_for_the_own_kernels():
     assert fused._loop_weight(w, BF16, own=False).dtype == BF16
     assert fused._loop_weight(w.to(BF16), BF16, own=True).dtype == BF16
     assert fused._loop_weight(None, BF16, own=True) is None
+
+
+@needs_ext
+@pytest.mark.skipif(native.cpu_isa() not in native.DOT_GEMM_ISAS, reason="the own kernels need AVX-512 BF16 or AMX")
+def test_autocast_backward_keeps_the_fp32_weights_not_bf16_copies(monkeypatch):
+    """What autograd keeps for the backward (the saved tensors but the parameters) shrinks by exactly the experts'
+    bf16 copies."""
+    saved_bytes = load_script("benchmarks/thin_experts.py").saved_bytes
+    monkeypatch.setattr(fused, "expert_gemm", lambda *a: native.own_gemm())
+    torch.manual_seed(0)
+    layer = build_ffn_layer(64, MoEConfig(n_experts=8, top_k=2, d_expert=96, impl="fused"))
+    x = torch.randn(1, 128, 64)
+    direct = saved_bytes(layer, x, BF16)
+    monkeypatch.setattr(fused, "_loop_weight", lambda w, dtype, own: None if w is None else w.to(dtype))
+    cast = saved_bytes(layer, x, BF16)
+    assert cast - direct == sum(w.numel() * 2 for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3))

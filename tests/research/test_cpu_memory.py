@@ -3,28 +3,14 @@ each case names, and the tables carry every measurement (tiny shapes; nothing is
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import load_script
 
 from mhmoe.moe.dispatch import native
 from mhmoe.research.bench import CONFIGS, BenchConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_cpu_memory", ROOT / "benchmarks" / "cpu_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cpu_memory = _load()
+cpu_memory = load_script("benchmarks/cpu_memory.py")
 
 
 def test_traffic_counts_the_bytes_of_the_shapes():
@@ -42,12 +28,10 @@ def test_traffic_counts_the_bytes_of_the_shapes():
     mh3 = cpu_memory.traffic("mh3", torch.float32, 2048)
     assert mh3["rows"] == 2048 * 3 * 3 and mh3["hidden_mb"] * 1e6 == pytest.approx(2 * mh3["rows"] * 512 * 4)
 
-
 def test_bandwidth_rows_per_thread_count_and_size():
     rows = cpu_memory.bandwidth([1, 2], [1, 2], passes=1)
     assert [(r["threads"], r["mib"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(r["read_gbs"] > 0 and r["copy_gbs"] > 0 for r in rows)
-
 
 @pytest.mark.skipif(native.expert_ops(torch.float32) is None, reason="the C++ expert loop is not available")
 def test_loop_times_every_case_and_the_tables_show_them(monkeypatch):
