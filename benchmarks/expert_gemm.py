@@ -8,8 +8,8 @@ gradient tensors came out bit-identical (both sum in K order in fp32; where oneD
 differs). With ``--presets``, whole training steps of those presets instead (``benchmarks/train_throughput.py``'s
 step, bf16), each back end with rows aligned to 16 and to 32, against the dense preset's FLOP rate. With
 ``--autocast``, each layer in fp32 under bf16 autocast instead (as training with ``train.dtype=bfloat16`` runs it):
-``auto``'s loop on the fp32 expert weights as they are (its own kernels round them while packing them) against the
-same loop on weights cast to bf16 first::
+``auto``'s loop on the fp32 expert weights as they are (rounded expert by expert: its own kernels while packing
+them) against the same loop on weights cast to bf16 first::
 
     MHMOE_MALLOC=tuned python benchmarks/expert_gemm.py --threads 2 \\
         --json benchmarks/results/expert_gemm_avx512bf16_2t.json
@@ -115,10 +115,10 @@ def measure(name: str, rounds: int, seed: int = 0) -> dict:
 @contextmanager
 def cast_first(on: bool) -> Iterator[None]:
     """Within the block (on) the fused path casts fp32 expert weights to the autocast dtype before the loop, as it
-    does for ATen's GEMMs, instead of handing them to the loop's own kernels as they are (fused._loop_weight)."""
+    does for its Python loop, instead of handing them to the C++ loop as they are (fused._loop_weight)."""
     rule = fused._loop_weight
     if on:
-        fused._loop_weight = lambda w, dtype, own: None if w is None else w.to(dtype)  # type: ignore[assignment]
+        fused._loop_weight = lambda w, dtype, in_loop: None if w is None else w.to(dtype)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -100,11 +100,12 @@ def test_matmul_refuses_mixed_dtypes_it_does_not_define():
 
 
 @needs_ext
+@pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("ffn", ["swiglu", "relu"])
-def test_autocast_layer_bit_identical_to_casting_the_weights(monkeypatch, ffn):
-    """``fused_moe`` under bf16 autocast with fp32 experts on the loop's own kernel: the output and every gradient
-    (the experts' in fp32) equal those of the same loop on weights cast to bf16 first."""
-    monkeypatch.setattr(fused, "expert_gemm", lambda *a: native.own_gemm())  # as on a CPU with native bf16
+def test_autocast_layer_bit_identical_to_casting_the_weights(monkeypatch, ffn, own):
+    """``fused_moe`` under bf16 autocast with fp32 experts in the C++ loop (its own kernel, or ATen's GEMMs): the
+    output and every gradient (the experts' in fp32) equal those of the same loop on weights cast to bf16 first."""
+    monkeypatch.setattr(fused, "expert_gemm", lambda *a: native.own_gemm() if own else native.GEMM_ATEN)
     gen = torch.Generator().manual_seed(7)
     torch.manual_seed(0)
     experts = GroupedExperts(12, 64, 96, ffn, init_std=0.2)
@@ -113,7 +114,7 @@ def test_autocast_layer_bit_identical_to_casting_the_weights(monkeypatch, ffn):
     results = {}
     for direct in (True, False):
         if not direct:
-            monkeypatch.setattr(fused, "_loop_weight", lambda w, dtype, own: None if w is None else w.to(dtype))
+            monkeypatch.setattr(fused, "_loop_weight", lambda w, dtype, in_loop: None if w is None else w.to(dtype))
         x = x32.clone().requires_grad_()
         route = dataclasses.replace(route32, weights=route32.weights.detach().clone().requires_grad_())
         with torch.autocast("cpu", dtype=BF16):
@@ -125,25 +126,25 @@ def test_autocast_layer_bit_identical_to_casting_the_weights(monkeypatch, ffn):
     assert all(p.grad.dtype == torch.float32 for p in experts.parameters())
 
 
-def test_loop_weight_keeps_fp32_weights_only_for_the_own_kernels():
+def test_loop_weight_keeps_fp32_weights_only_for_the_cpp_loop():
     w = torch.randn(2, 4, 8)
-    assert fused._loop_weight(w, BF16, own=True) is w
-    assert fused._loop_weight(w, BF16, own=False).dtype == BF16
-    assert fused._loop_weight(w.to(BF16), BF16, own=True).dtype == BF16
-    assert fused._loop_weight(None, BF16, own=True) is None
+    assert fused._loop_weight(w, BF16, in_loop=True) is w
+    assert fused._loop_weight(w, BF16, in_loop=False).dtype == BF16
+    assert fused._loop_weight(w.to(BF16), BF16, in_loop=True).dtype == BF16
+    assert fused._loop_weight(None, BF16, in_loop=True) is None
 
 
 @needs_ext
-@pytest.mark.skipif(native.cpu_isa() not in native.DOT_GEMM_ISAS, reason="the own kernels need AVX-512 BF16 or AMX")
-def test_autocast_backward_keeps_the_fp32_weights_not_bf16_copies(monkeypatch):
+@pytest.mark.parametrize("own", [True, False])
+def test_autocast_backward_keeps_the_fp32_weights_not_bf16_copies(monkeypatch, own):
     """What autograd keeps for the backward (the saved tensors but the parameters) shrinks by exactly the experts'
-    bf16 copies."""
+    bf16 copies, on the own kernels (where the CPU has them) and on ATen's GEMMs."""
     saved_bytes = load_script("benchmarks/thin_experts.py").saved_bytes
-    monkeypatch.setattr(fused, "expert_gemm", lambda *a: native.own_gemm())
+    monkeypatch.setattr(fused, "expert_gemm", lambda *a: native.own_gemm() if own else native.GEMM_ATEN)
     torch.manual_seed(0)
     layer = build_ffn_layer(64, MoEConfig(n_experts=8, top_k=2, d_expert=96, impl="fused"))
     x = torch.randn(1, 128, 64)
     direct = saved_bytes(layer, x, BF16)
-    monkeypatch.setattr(fused, "_loop_weight", lambda w, dtype, own: None if w is None else w.to(dtype))
+    monkeypatch.setattr(fused, "_loop_weight", lambda w, dtype, in_loop: None if w is None else w.to(dtype))
     cast = saved_bytes(layer, x, BF16)
     assert cast - direct == sum(w.numel() * 2 for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3))

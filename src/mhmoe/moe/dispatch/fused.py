@@ -350,7 +350,7 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     (:mod:`mhmoe.moe.dispatch.cpu_table`) on a CPU, 1 and never elsewhere; the table also says whether
     ``workers=None`` may use expert threads.
     Under autocast the experts run in the autocast dtype: their weights are cast to it, except fp32 weights for
-    the C++ loop's own bf16 kernels, which take them as they are (:func:`_loop_weight`; the same numbers).
+    the C++ loop in bf16, which takes them as they are (:func:`_loop_weight`; the same numbers).
     Biased and quantized (bitnet158) experts are not supported (the hand-written backward has no biases,
     activation quantization or sub-norms): :func:`mhmoe.moe.dispatch.choose_impl` runs ``sorted`` for them.
     """
@@ -369,8 +369,8 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
     layout = row_layout(route.experts, route.valid, experts.n_experts, align, -1.0 if chunk else max_batch_padding)
     ops = _native_ops(native, x.device, dtype) if not chunk and not layout.batched else None
     gemm = expert_gemm(dtype, experts.d_in, experts.d_hidden) if ops is not None else GEMM_ATEN
-    own = gemm != GEMM_ATEN and dtype == torch.bfloat16
-    ws = [_loop_weight(w, dtype, own) for w in (experts.w1, experts.w2, experts.w3)]
+    in_loop = ops is not None and dtype == torch.bfloat16
+    ws = [_loop_weight(w, dtype, in_loop) for w in (experts.w1, experts.w2, experts.w3)]
     if workers is None:
         threads = entry is None or entry.expert_threads
         workers = expert_workers(layout.counts, x.device) if threads and not layout.batched else 1
@@ -380,12 +380,13 @@ def fused_moe(x: Tensor, route: RouterOutput, experts: GroupedExperts, chunk: in
                                ops, trains, gemm)
 
 
-def _loop_weight(w: Tensor | None, dtype: torch.dtype, own: bool) -> Tensor | None:
+def _loop_weight(w: Tensor | None, dtype: torch.dtype, in_loop: bool) -> Tensor | None:
     """An expert weight as the loop takes it: cast to the compute ``dtype``, except an fp32 weight (bf16 autocast)
-    for the C++ loop's own bf16 kernels (``own``), which round it to bf16 as the cast does while they pack it and
-    widen its gradient as they write it: the cast's numbers, without the weight's bf16 copy (kept for the backward)
-    and the cast of its gradient back, two passes over every expert weight per step."""
-    if w is None or (own and w.dtype == torch.float32):
+    for the C++ loop (``in_loop``), which rounds it to bf16 as the cast does, expert by expert (its own kernels while
+    they pack it, ATen's GEMMs on a cast of that expert's matrix), and widens its gradient as it writes it: the
+    cast's numbers, without the layer's bf16 weight copy (kept for the backward) and the cast of its gradient back,
+    two passes over every expert weight per step."""
+    if w is None or (in_loop and w.dtype == torch.float32):
         return w
     return w.to(dtype)
 

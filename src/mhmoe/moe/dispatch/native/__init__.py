@@ -22,11 +22,11 @@ warning); ``MHMOE_NATIVE=0`` turns it off, :func:`disabled` within a block (the 
 code, which has no C++ ops, with the library's Python loop). Forward-only calls pass no hidden buffers: each
 expert's pre-activations are freed after its GEMMs.
 
-Under bf16 autocast the loop takes fp32 expert weights as they are where its own kernel runs them
-(:func:`mhmoe.moe.dispatch.fused.fused_moe`): the kernel rounds each weight to bf16 as ``Tensor.to`` does while it
-packs it, and writes each weight gradient as the bf16 product widened to fp32, so the numbers are those of casting
-the weights first and the gradients back, without the weights' bf16 copies (kept for the backward) and the two
-casting passes over every expert weight per step.
+Under bf16 autocast the loop takes fp32 expert weights as they are (:func:`mhmoe.moe.dispatch.fused.fused_moe`):
+it rounds each expert's matrices to bf16 as ``Tensor.to`` does as it uses them (its own kernels while packing them,
+ATen's GEMMs on a cast of the matrix), and writes each weight gradient as the bf16 product widened to fp32, so the
+numbers are those of casting the weights first and the gradients back, without the layer's bf16 weight copies (kept
+for the backward) and the cast of the gradients.
 
 The head of the fused path's backward (:func:`slot_grads`): every row's output gradient (the token's gradient times
 its combine weight) and every combine weight's gradient (the dot product of the row's output and the token's

@@ -6,8 +6,9 @@
 // With `gemm` = kDot (bf16 experts on CPUs with AVX-512 BF16 and no AMX, decided in Python: native.dot_gemm) the
 // GEMMs run on the dot-product kernel of dot_gemm.h instead of at::mm; with kAmx (bf16 experts on CPUs with AMX,
 // native.expert_gemm) on the AMX tiles of amx_gemm.h. Under bf16 autocast the weights may stay fp32 for bf16 rows:
-// the own kernels round them to bf16 (as Tensor.to does) while packing them, and every fp32 weight gradient is the
-// bf16 product widened (matmul), the numbers of casting the weights first (tests/moe/test_native_fp32_weights.py).
+// each expert's matrices are rounded to bf16 (as Tensor.to does) as they are used (the own kernels while packing
+// them, ATen's GEMMs on a cast of the matrix), and every fp32 weight gradient is the bf16 product widened (matmul):
+// the numbers of casting the weights first (tests/moe/test_native_fp32_weights.py).
 //
 // Shape legend: R rows of the expert-grouped buffer (expert e owns rows [starts[e], starts[e] + sizes[e])),
 // D expert width, F expert hidden width, E experts, C rows of one expert.
