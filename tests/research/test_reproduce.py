@@ -210,6 +210,36 @@ def test_first_seed_trains_and_reports_a_fresh_set_of_seeds(tmp_path, monkeypatc
     assert "--first-seed" in capsys.readouterr().err
 
 
+def test_status_counts_the_planned_runs_without_their_results(tmp_path, monkeypatch, capsys):
+    out, calls = tmp_path / "suite", []
+    monkeypatch.setattr("mhmoe.train.loop.train", _fake_trainer(calls))
+    rows, kjv = ["SMoE", "MH-MoE (head=3)"], ["data.corpus=kjv"]
+    reproduce.run_suite("decisive", out, seeds=2, first_seed=1, only=rows, overrides=kjv, progress=False)
+    plan = reproduce._plan("decisive", out, "tiny", 4, None, kjv, rows, None, 0).plan  # seeds 0-3, seed-major
+    store = reproduce.RunStore(tmp_path / "store")
+    interrupted, training = (store.run_dir(reproduce.run_key(p.run)) for p in plan[6:])  # both rows of seed 3
+    interrupted.mkdir(parents=True)
+    training.mkdir(parents=True)
+    monkeypatch.setattr(reproduce, "_locked", lambda run_dir: run_dir == training)
+    status = reproduce.suite_status("decisive", out, seeds=4, only=rows, overrides=kjv)
+    assert status == {"SMoE": {"finished": [1, 2], "training": [], "interrupted": [3], "to_train": [0]},
+                      "MH-MoE (head=3)": {"finished": [1, 2], "training": [3], "interrupted": [], "to_train": [0]}}
+    calls.clear()
+    argv = ["reproduce", "decisive", "--out", str(out), "--data", "kjv", "--seeds", "4", "--status"]
+    argv += [a for r in rows for a in ("--rows", r)]
+    assert main(argv) == 0 and calls == []
+    text = capsys.readouterr().out
+    assert "decisive: 4 of 8 planned runs finished (results are not shown)" in text
+    assert "SMoE             finished 2  training 0  interrupted 1  to train 1  (interrupted: seed 3)" in text
+    assert "MH-MoE (head=3)  finished 2  training 1  interrupted 0  to train 1  (training: seed 3)" in text
+    assert "ppl" not in text and "100" not in text  # no result of a finished run
+    assert main(argv + ["--json"]) == 0 and json.loads(capsys.readouterr().out) == {"decisive": status}
+    assert main(argv + ["--report-only"]) == 2 and "--report-only" in capsys.readouterr().err
+    assert main([a for a in argv if a != "--status"] + ["--json"]) == 2 and "--json" in capsys.readouterr().err
+    assert main(argv + ["--minutes", "5"]) == 2 and "--status calibrates nothing" in capsys.readouterr().err
+    assert calls == [] and not (out / "budget.json").exists()
+
+
 def _model_key(run):
     """What a row computes: the model config without its name."""
     return repr({k: v for k, v in run.to_dict().items() if k != "name"})

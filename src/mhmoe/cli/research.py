@@ -49,6 +49,11 @@ def _add_reproduce(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: write the tables and curves from the runs that already finished")
+    p.add_argument("--status", action="store_true", help="train and report nothing: count the planned runs that "
+                   "finished, are training in another process, were interrupted (they resume) or are still to "
+                   "train, per row, without their results (a run planned in advance is analysed once, at its end)")
+    p.add_argument("--json", action="store_true", help="--status: print it as JSON (suite -> row -> state -> "
+                   "seed indices)")
     p.set_defaults(func=_run_reproduce)
 
 
@@ -60,10 +65,39 @@ def _run_reproduce(args: argparse.Namespace) -> int:
     out = args.out or f"runs/reproduce/{args.suite}-{args.scale}"
     overrides = ([f"train.device={args.device}"] if args.device else []) + (
         [f"data.corpus={args.data}"] if args.data else []) + list(args.set or [])
+    if args.status or args.json:
+        return _reproduce_status(args, out, overrides)
     run_table(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens, overrides=overrides,
               progress=not args.no_progress, train_missing=not args.report_only, only=args.rows, minutes=args.minutes,
               store=args.store, records=args.records, first_seed=args.first_seed)
     print(read_results_md(out))  # a symlink, a FIFO, an oversized file: one line naming it, exit 2
+    return 0
+
+
+def _reproduce_status(args: argparse.Namespace, out: str, overrides: list[str]) -> int:
+    from mhmoe.errors import ConfigError
+    from mhmoe.research.reproduce import table_status
+
+    if not args.status:
+        raise ConfigError("--json", True, "only with --status")
+    if args.report_only:
+        raise ConfigError("--report-only", True, "not with --status (one of them)")
+    status = table_status(args.suite, out, scale=args.scale, seeds=args.seeds, tokens=args.tokens,
+                          overrides=overrides, only=args.rows, minutes=args.minutes, store=args.store,
+                          records=args.records, first_seed=args.first_seed)
+    if args.json:
+        print(json.dumps(status, indent=1, ensure_ascii=False))
+        return 0
+    for suite, rows in status.items():
+        planned = sum(len(seeds) for states in rows.values() for seeds in states.values())
+        done = sum(len(states["finished"]) for states in rows.values())
+        print(f"{suite}: {done} of {planned} planned runs finished (results are not shown)")
+        width = max(len(label) for label in rows)
+        for label, states in rows.items():
+            counts = "  ".join(f"{state.replace('_', ' ')} {len(seeds)}" for state, seeds in states.items())
+            busy = [f"{state}: seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+                    for state, seeds in states.items() if state in ("training", "interrupted") and seeds]
+            print(f"  {label:<{width}}  {counts}" + (f"  ({'; '.join(busy)})" if busy else ""))
     return 0
 
 

@@ -136,9 +136,10 @@ def tokens_for_minutes(minutes: float, seeds: dict[str, int], costs: dict[str, d
 
 
 def suite_budget(out: Path, suite: str, runs: dict[str, RunConfig], seeds: dict[str, int], minutes: float,
-                 resolve: Callable[[str, int], RunConfig]) -> dict[str, Any]:
+                 resolve: Callable[[str, int], RunConfig], may_calibrate: bool = True) -> dict[str, Any]:
     """The suite's budget: ``OUT/budget.json`` when it was made for the same minutes, seeds, rows and
-    device, else a new calibration (written there). Refuses a budget too small for one step per run."""
+    device, else a new calibration (written there; with ``may_calibrate=False`` a one-line refusal instead). Refuses a
+    budget too small for one step per run."""
     if not minutes > 0:
         raise ConfigError("--minutes", minutes, "a number of minutes > 0")
     from mhmoe.runtime.device import resolve_device
@@ -150,6 +151,9 @@ def suite_budget(out: Path, suite: str, runs: dict[str, RunConfig], seeds: dict[
         saved = read_json(path, follow=False, what="budget.json")
         if isinstance(saved, dict) and {k: saved.get(k) for k in key} == key:
             return saved
+    if not may_calibrate:
+        raise ConfigError("--minutes", minutes, f"the minutes of a budget in {path}",
+                          hint="--status calibrates nothing, and there is no budget for these minutes;")
     make_dirs(out)
     costs, calibration_s = _timed(lambda: calibrate(runs, scratch=out))
     tokens = tokens_for_minutes(minutes, seeds, costs, resolve, spent_s=calibration_s)

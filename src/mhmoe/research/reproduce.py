@@ -53,7 +53,7 @@ from mhmoe.runtime.files import atomic_write, make_dirs
 from mhmoe.runtime.reading import read_json, regular_or_missing
 
 __all__ = ["BOOKKEEPING", "SETTINGS", "SUITES", "SUITE_BLOCKS", "SUITE_SCALES", "Row", "run_suite", "run_table",
-           "select_rows", "suite_rows", "summarize_results", "write_outputs"]
+           "select_rows", "suite_rows", "suite_status", "table_status", "summarize_results", "write_outputs"]
 
 WAIT_POLL_S = 30.0  # how often a process waiting for another's run looks again
 EPOCH_WARNING = 2.0  # runs past this many epochs of their training corpus are warned about
@@ -80,6 +80,13 @@ def run_table(name: str, out: str | Path, **kwargs) -> list[dict]:
         raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
     atomic_write(out / "results.md", "\n".join(tables))
     return results
+
+
+def table_status(name: str, out: str | Path, **kwargs) -> dict[str, dict[str, dict[str, list[int]]]]:
+    """:func:`suite_status` of ``name`` (in ``out``) and of each of its blocks (in ``OUT/<block>/``), by suite."""
+    out = Path(out)
+    parts = [(name, out)] + [(b, out / b) for b in SUITE_BLOCKS.get(name, ())]
+    return {suite: suite_status(suite, where, **kwargs) for suite, where in parts}
 
 
 def run_dir_name(label: str) -> str:
@@ -137,9 +144,53 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
     (:mod:`mhmoe.research.budget`, ``OUT/budget.json``). ``store`` / ``records``: the run store's folder
     (default ``OUT/../store``) and its records' folder (default ``STORE/records``).
     """
+    out = Path(out)
+    suite = _plan(name, out, scale, seeds, tokens, overrides, only, minutes, first_seed)
+    runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing,
+                     [p.run for p in suite.plan])
+    if train_missing:
+        runner.check_epochs(suite.plan, suite_settings(name).max_epochs)
+    results = runner.run(suite.plan)
+    if not results:
+        raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
+    write_outputs(name, suite.rows, results, out, suite.budget, runner.environment())
+    return results
+
+
+def suite_status(name: str, out: str | Path, scale: str = "tiny", seeds: int | None = None,
+                 tokens: int | None = None, overrides: list[str] | None = None, only: list[str] | None = None,
+                 minutes: float | None = None, store: str | Path | None = None, records: str | Path | None = None,
+                 first_seed: int = 0) -> dict[str, dict[str, list[int]]]:
+    """Where the runs of :func:`run_suite` with these arguments stand, without their results (a run planned in
+    advance is analysed once, at its end): per row label, the seed indices ``finished``, ``training`` (another
+    process holds the run's directory now), ``interrupted`` (a run directory without a finished run: the next
+    ``run_suite`` resumes it from its last checkpoint) and ``to_train``. Trains nothing; with ``minutes``, the suite
+    directory's ``budget.json`` for these minutes must exist (no calibration runs here)."""
+    out = Path(out)
+    suite = _plan(name, out, scale, seeds, tokens, overrides, only, minutes, first_seed, calibrate=False)
+    runner = _Runner(name, out, RunStore(store or out.parent / "store", records), False, False,
+                     [p.run for p in suite.plan])
+    status: dict[str, dict[str, list[int]]] = {
+        row.label: {"finished": [], "training": [], "interrupted": [], "to_train": []} for row in suite.rows}
+    for p in suite.plan:
+        status[p.row.label][runner.state(p)].append(p.seed)
+    return status
+
+
+@dataclass
+class _Suite:
+    rows: list[Row]
+    plan: list[Planned]  # seed-major: both rows of seed k before seed k + 1
+    budget: dict | None
+
+
+def _plan(name: str, out: Path, scale: str, seeds: int | None, tokens: int | None, overrides: list[str] | None,
+          only: list[str] | None, minutes: float | None, first_seed: int, calibrate: bool = True) -> _Suite:
+    """The rows and planned runs of :func:`run_suite`'s arguments (every override checked first), and the budget of
+    ``minutes`` (calibrated here unless ``calibrate`` is False: then ``OUT/budget.json`` must hold it)."""
     if scale not in SUITE_SCALES or scale not in SCALES:
         raise ConfigError("--scale", scale, " | ".join(s for s in SUITE_SCALES if s in SCALES))
-    out, overrides = Path(out), list(overrides or [])
+    overrides = list(overrides or [])
     rows = select_rows(name, only)
     n_seeds = seeds_per_row(name, rows, seeds)
     if first_seed < 0:
@@ -153,19 +204,12 @@ def run_suite(name: str, out: str | Path, scale: str = "tiny", seeds: int | None
             raise ConfigError("--tokens", tokens, "no --tokens with --minutes (the budget sets the tokens)")
         from mhmoe.research.budget import suite_budget
 
-        budget = suite_budget(out, name, runs0, n_seeds, minutes, lambda label, t: resolve(label, t))
+        budget = suite_budget(out, name, runs0, n_seeds, minutes, lambda label, t: resolve(label, t),
+                              may_calibrate=calibrate)
         tokens = _capped(name, budget)
     plan = [Planned(row, first_seed + i, resolve(row.label, tokens, first_seed + i))  # seed-major
             for i in range(max(n_seeds.values())) for row in rows if i < n_seeds[row.label]]
-    runner = _Runner(name, out, RunStore(store or out.parent / "store", records), progress, train_missing,
-                     [p.run for p in plan])
-    if train_missing:
-        runner.check_epochs(plan, suite_settings(name).max_epochs)
-    results = runner.run(plan)
-    if not results:
-        raise ConfigError("--out", str(out), f"a directory with finished {name} runs (--report-only trains nothing)")
-    write_outputs(name, rows, results, out, budget, runner.environment())
-    return results
+    return _Suite(rows, plan, budget)
 
 
 def _capped(name: str, budget: dict) -> int:
@@ -292,6 +336,22 @@ class _Runner:
                 done[i] = res
         return [done[i] for i in sorted(done)]
 
+    def run_dir_of(self, p: Planned) -> Path:
+        """Where ``p`` trains: its older suite folder's directory when that holds its config, else the store's."""
+        legacy = _run_dir(self.out, p.row.label, p.seed)
+        return legacy if (legacy / CONFIG_FILE).is_file() else self.store.run_dir(run_key(p.run))
+
+    def state(self, p: Planned) -> str:
+        """finished | training (another process holds its directory) | interrupted (a directory without a finished
+        run) | to_train: :func:`suite_status`."""
+        if self.find(p) is not None:
+            return "finished"
+        run_dir = self.run_dir_of(p)
+        no_symlink_below(run_dir.parent.parent, run_dir)
+        if not run_dir.is_dir():
+            return "to_train"
+        return "training" if _locked(run_dir) else "interrupted"
+
     def obtain(self, p: Planned) -> dict | str | None:
         """The results entry of ``p``: found, or trained now; "busy" when another process is training it;
         None when it is not finished and this call trains nothing."""
@@ -304,7 +364,7 @@ class _Runner:
             self._say(p, "not finished, left out")
             return None
         legacy = _run_dir(self.out, p.row.label, p.seed)
-        run_dir = legacy if (legacy / CONFIG_FILE).is_file() else self.store.run_dir(run_key(p.run))
+        run_dir = self.run_dir_of(p)
         if run_dir == legacy:
             _check_same_run(legacy, p.run)
         resume = run_dir.is_dir()
