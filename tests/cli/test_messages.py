@@ -45,3 +45,35 @@ def test_a_file_at_run_checkpoints_is_named_before_training(tmp_path, capsys):
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     _one_line(capsys, f"{tmp_path / 'r' / 'checkpoints'}: is a regular file, where mhmoe writes a directory")
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly():
+    """``mhmoe presets | head -1``: the pipe's reader is gone before the command writes; exit 141, no message
+    (a real process: the interpreter's last flush of stdout must not fail again either)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mhmoe
+
+    read, write = os.pipe()
+    os.close(read)  # the reader went away: every write to the pipe fails with EPIPE (Python ignores SIGPIPE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(mhmoe.__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mhmoe", "presets"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+def test_another_broken_pipe_is_an_error_of_one_line(monkeypatch, capsys):
+    """A pipe of the command's own breaking (stdout still has its reader) is not taken for ``| head``."""
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("mhmoe.cli.plan._run_presets", broken)
+    assert main(["presets"]) == 2
+    _one_line(capsys, "mhmoe presets: error:", "Broken pipe")

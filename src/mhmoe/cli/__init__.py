@@ -12,13 +12,15 @@ arguments into typed configs and call the library with those only. Every option 
 file-system errors) and running out of memory print one line to stderr and exit with status 2; running
 out of disk space (or the file-size limit, or the quota) while writing prints one line and exits with
 status 74; no traceback. Ctrl-C and SIGTERM, also during start-up, print one line and exit 130 / 143 (a
-training saves a checkpoint first, see :mod:`mhmoe.train.loop`).
+training saves a checkpoint first, see :mod:`mhmoe.train.loop`). A reader of stdout that went away (``| head``)
+ends the command quietly with status 141, as a shell reports other tools killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -145,6 +147,29 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in _ALLOCATION_FAILED)
 
 
+CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away (`| head`)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader went away (poll says POLLERR for it), as opposed to another pipe
+    of the command breaking; and if so, stdout to /dev/null, so that the interpreter's last flush does not fail
+    again (Python's documented recipe). False where stdout is no file (a test's capture)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    if not any(events & select.POLLERR for _, events in poll.poll(0)):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     command = "mhmoe"
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -166,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
             with one_line_warnings():
                 return int(args.func(args) or 0)
+    except BrokenPipeError as exc:  # `mhmoe ... | head`: the reader has all it wants; quiet, as other tools are
+        if _stdout_reader_gone():
+            return CLOSED_PIPE_EXIT
+        print(f"{command}: error: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
+        return 2
     except NoSpaceError as exc:  # the disk, the quota or the file-size limit ran out while writing
         print(f"{command}: {one_line(exc.strerror or exc, MESSAGE_CHARS)}", file=sys.stderr)
         return NO_SPACE_EXIT
