@@ -160,6 +160,8 @@ def _stdout_reader_gone() -> bool:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
         return False
+    if not hasattr(select, "poll"):  # Windows
+        return False
     poll = select.poll()
     poll.register(fd, select.POLLOUT)
     if not any(events & select.POLLERR for _, events in poll.poll(0)):
