@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 
@@ -151,25 +152,25 @@ CLOSED_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a tool whose r
 
 
 def _stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader went away (poll says POLLERR for it), as opposed to another pipe
-    of the command breaking; and if so, stdout to /dev/null, so that the interpreter's last flush does not fail
-    again (Python's documented recipe). False where stdout is no file (a test's capture)."""
-    import select
-
+    """Whether stdout is a pipe whose reader went away (poll says POLLERR for it), as opposed to another pipe of
+    the command breaking. False where stdout is no file (a test's capture) or there is no ``poll`` (Windows)."""
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
         return False
-    if not hasattr(select, "poll"):  # Windows
+    if not hasattr(select, "poll"):
         return False
     poll = select.poll()
     poll.register(fd, select.POLLOUT)
-    if not any(events & select.POLLERR for _, events in poll.poll(0)):
-        return False
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def _stdout_to_devnull() -> None:
+    """stdout onto /dev/null, so that the interpreter's last flush does not fail again (Python's recipe for a
+    closed pipe)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
+    os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -193,15 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             malloc_from_env()  # MHMOE_MALLOC=tuned: reuse freed CPU memory across steps (mhmoe.runtime.cpu_malloc)
             with one_line_warnings():
                 return int(args.func(args) or 0)
-    except BrokenPipeError as exc:  # `mhmoe ... | head`: the reader has all it wants; quiet, as other tools are
-        if _stdout_reader_gone():
-            return CLOSED_PIPE_EXIT
-        print(f"{command}: error: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
-        return 2
     except NoSpaceError as exc:  # the disk, the quota or the file-size limit ran out while writing
         print(f"{command}: {one_line(exc.strerror or exc, MESSAGE_CHARS)}", file=sys.stderr)
         return NO_SPACE_EXIT
     except (ValueError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_reader_gone():  # `| head`: quiet, as other tools are
+            _stdout_to_devnull()
+            return CLOSED_PIPE_EXIT
         if isinstance(exc, OSError) and no_space_errno(exc) is not None:
             print(f"{command}: {one_line(exc, MESSAGE_CHARS)}", file=sys.stderr)
             return NO_SPACE_EXIT
