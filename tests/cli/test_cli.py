@@ -116,6 +116,21 @@ def test_train_refuses_existing_run_then_resumes(setup, trained, tmp_path, capsy
     assert lines[:4] == before.splitlines()
 
 
+def test_resume_keeps_the_runs_activation_checkpointing_unless_given(setup, trained, tmp_path, capsys):
+    """``--set train.activation_checkpointing=`` on a resume changes it (a launch property: same results, less
+    memory); a later resume without it keeps the run's setting instead of the command's default."""
+    from mhmoe.loading.checkpoint import load_latest
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    argv = ["train", "--config", str(setup["config"]), "--out", str(run), "--resume", "--no-progress"]
+    assert main(argv + ["--max-steps", "5", "--set", "train.activation_checkpointing=moe"]) == 0
+    assert "activation checkpointing: moe" in capsys.readouterr().err
+    assert main(argv + ["--max-steps", "6"]) == 0
+    assert "activation checkpointing: moe" in capsys.readouterr().err
+    assert load_latest(run).run.train.activation_checkpointing == "moe"
+
+
 def test_eval_json(trained, capsys):
     assert main(["eval", "--checkpoint", str(trained), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)

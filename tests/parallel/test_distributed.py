@@ -1,6 +1,7 @@
 """Distributed training on CPU with gloo, 2 processes (torch.multiprocessing.spawn): expert-parallel
 layers equal the single-process layer (outputs and gradients), DDP / FSDP2 training reproduces the
-single-process loss curve on the same global batch, and DCP checkpoints reshard from 2 ranks to 1.
+single-process loss curve on the same global batch (with activation checkpointing too), and DCP checkpoints
+reshard from 2 ranks to 1.
 
 Each test spawns its processes once and runs several cases inside them (process start-up dominates).
 """
@@ -136,10 +137,11 @@ def test_expert_parallel_matches_single_process():
 SMOE4 = MoEConfig(n_experts=4, top_k=2, d_expert=32, z_loss_weight=1e-3)
 TRAIN_CASES = {  # name -> (moe, train overrides); MHMOE is test_train's MH-MoE (6 experts, 3 heads)
     "ddp": ("MHMOE", dict(parallel="ddp")),
-    "fsdp": ("MHMOE", dict(parallel="fsdp")),
+    "fsdp": ("MHMOE", dict(parallel="fsdp", activation_checkpointing="blocks")),
     "ddp-ep2-accum": (SMOE4, dict(parallel="ddp", ep=2, grad_accum=2, ckpt_every=3)),
+    # the MoE layers recomputed in the backward: their all-to-alls run again, on every rank alike
     "fsdp-ep2": (MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True),
-                 dict(parallel="fsdp", ep=2, grad_accum=2)),
+                 dict(parallel="fsdp", ep=2, grad_accum=2, activation_checkpointing="moe")),
 }
 
 SLOW_CASES = {  # 4 processes, dp x ep = 2 x 2: 4 experts per rank, FSDP2 shards them over the 2 dp ranks

@@ -137,3 +137,15 @@ def test_a_run_whose_every_step_was_skipped_saves_nothing(tmp_path, monkeypatch)
         train(tiny_run(tmp_path, MHMOE, max_steps=3, max_nan_skips=10), tmp_path / "r", progress=False)
     assert list_checkpoints(tmp_path / "r") == [] and not (tmp_path / "r" / "results.json").exists()
     assert records(tmp_path / "r") == []
+
+
+def test_activation_checkpointing_trains_the_same_run_and_may_change_on_resume(full, stopped, tmp_path):
+    """A run recomputing its MoE layers equals the run that keeps every activation, bit for bit; a run stopped
+    without it and resumed recomputing every block does too, and its checkpoint records the launch's setting."""
+    train(tiny_run(full, MHMOE, ckpt_every=2, keep_last=3, activation_checkpointing="moe"), tmp_path / "moe",
+          progress=False)
+    assert_same_run(full / "run", tmp_path / "moe")
+    blocks = tiny_run(full, MHMOE, ckpt_every=2, keep_last=3, activation_checkpointing="blocks")
+    train(blocks, stopped, resume=True, progress=False)
+    assert_same_run(full / "run", stopped)
+    assert load_latest(stopped).run.train.activation_checkpointing == "blocks"

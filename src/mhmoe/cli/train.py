@@ -41,14 +41,22 @@ def _load_run(args: argparse.Namespace):
     return run.with_overrides(sets) if sets else run
 
 
+#: launch fields ``--resume`` takes from the command only when it gives them: a resumed run keeps its LR schedule
+#: and its activation checkpointing (the memory it was sized for) unless told otherwise
+WHEN_GIVEN = ("max_steps", "activation_checkpointing")
+
+
 def _launch_fields(args: argparse.Namespace) -> tuple[str, ...]:
-    """What ``--resume`` takes from this command (:data:`mhmoe.train.resume.LAUNCH_FIELDS`): ``max_steps`` only
-    when given (``--max-steps`` or ``--set train.max_steps=``), so a resumed run keeps its LR schedule."""
+    """What ``--resume`` takes from this command (:data:`mhmoe.train.resume.LAUNCH_FIELDS`): the
+    :data:`WHEN_GIVEN` fields only when given (``--max-steps``, ``--set train.max_steps=``,
+    ``--set train.activation_checkpointing=``)."""
     from mhmoe.train.resume import LAUNCH_FIELDS
 
-    given = getattr(args, "max_steps", None) is not None or any(
-        s.split("=", 1)[0].strip() == "train.max_steps" for s in (getattr(args, "set", None) or []))
-    return LAUNCH_FIELDS if given else tuple(f for f in LAUNCH_FIELDS if f != "max_steps")
+    keys = {s.split("=", 1)[0].strip() for s in (getattr(args, "set", None) or [])}
+    given = {f for f in WHEN_GIVEN if f"train.{f}" in keys}
+    if getattr(args, "max_steps", None) is not None:
+        given.add("max_steps")
+    return tuple(f for f in LAUNCH_FIELDS if f not in WHEN_GIVEN or f in given)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

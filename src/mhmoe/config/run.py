@@ -52,6 +52,12 @@ class RunConfig:
                f"<= model.max_seq_len={self.model.max_seq_len}")
         arch = "encoder" if self.data.task == "masked_mm" else "decoder"  # the model each task trains
         check(self.model.arch == arch, "model.arch", self.model.arch, f"{arch} with data.task={self.data.task}")
+        check(self.train.activation_checkpointing != "moe" or self.model.moe.kind != "dense",
+              "train.activation_checkpointing", "moe", "none | blocks for a dense model (it has no MoE layer)")
+        check(not (self.train.compile and self.model.moe.xmoe_code) or self.train.activation_checkpointing == "none",
+              "train.activation_checkpointing", self.train.activation_checkpointing,
+              "none with train.compile and model.moe.xmoe_reading=code (a compiled recomputation would rescale the "
+              "expert embeddings again)")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -13,6 +13,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Parallel = Literal["auto", "none", "ddp", "fsdp"]
 ParallelMode = Literal["none", "ddp", "fsdp"]  # train.parallel with auto decided (mhmoe.parallel.launch.parallel_mode)
 DataParallel = Literal["ddp", "fsdp"]  # how mhmoe.parallel.data_parallel.parallelize wraps a model
+Recompute = Literal["none", "moe", "blocks"]  # train.activation_checkpointing (mhmoe.model.recompute)
 SCHEDULES, DTYPES, DEVICES, PARALLEL = (get_args(t) for t in (Schedule, DType, Device, Parallel))
 #: tokens of one micro-batch (batch_size * seq_len): past this, index arithmetic of int32 kernels overflows and
 #: no machine holds the activations; a smaller batch that still does not fit fails with a one-line out-of-memory
@@ -46,6 +47,9 @@ class TrainConfig:
     # with compile, on CUDA: capture the compiled forward and backward as CUDA graphs (torch.compile mode
     # "reduce-overhead"); the default paths have no host synchronisation, so the capture holds
     cuda_graphs: bool = False
+    # what a training forward keeps for the backward (mhmoe.model.recompute): none = everything (fastest) |
+    # moe = the MoE layers run again in the backward | blocks = every block does (least memory); same results
+    activation_checkpointing: Recompute = "none"
     device: Device = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch.set_num_threads on CPU (0 = torch default)
     seed: int = 1337

@@ -29,6 +29,7 @@ from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm_loss import chunked_token_loss, token_loss, use_chunks
 from mhmoe.model.pretrained import PretrainedMixin
+from mhmoe.model.recompute import BlockRecompute, run_part
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
 from mhmoe.quant.bitnet import BitLinear, SubNorm
@@ -152,7 +153,11 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: attention (causal or bidirectional), then the dense or (MH-)MoE FFN
-    (every ``moe_every``-th block) on the real positions (``mask``)."""
+    (every ``moe_every``-th block) on the real positions (``mask``). ``recompute`` (set from outside by
+    :func:`mhmoe.model.recompute.set_activation_checkpointing`): the part a training forward runs under
+    activation checkpointing, ``none`` | ``block`` | ``ffn``."""
+
+    recompute: BlockRecompute = "none"
 
     def __init__(self, cfg: ModelConfig, index: int, causal: bool = True) -> None:
         super().__init__()
@@ -168,9 +173,17 @@ class Block(nn.Module):
                 layer: int = 0, key_mask: Tensor | None = None, stats: bool = True) -> tuple[Tensor, FFNOutput]:
         """x [B, T, D]; mask [B, T] (True = a real position, routed); key_mask: see :class:`Attention`;
         ``stats=False``: the MoE FFN computes no router losses or statistics (generation)."""
+        return run_part(self, self.recompute == "block", self._forward, x, cos, sin, mask, cache, layer, key_mask,
+                        stats)
+
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, layer: int,
+                 key_mask: Tensor | None, stats: bool) -> tuple[Tensor, FFNOutput]:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, key_mask)
-        f = self.ffn(self.ffn_norm(x), mask, stats=stats)
+        f = run_part(self.ffn, self.recompute == "ffn", self._ffn, x, mask, stats)
         return x + f.out, f
+
+    def _ffn(self, x: Tensor, mask: Tensor | None, stats: bool) -> FFNOutput:
+        return self.ffn(self.ffn_norm(x), mask, stats=stats)
 
 
 def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,

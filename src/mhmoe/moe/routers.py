@@ -248,7 +248,9 @@ class XMoERouter(Router):
       forward), no temperature; see :meth:`forward_code` for the top-2 gate.
 
     ``generator`` (optional ``torch.Generator`` on the input's device): the source of the code
-    reading's second-expert coin flips in training; None = the global RNG.
+    reading's second-expert coin flips in training; None = the global RNG. ``recomputing``: True while
+    activation checkpointing runs this router's forward again in the backward
+    (:mod:`mhmoe.model.recompute`), when the code reading does not rescale its stored embeddings again.
     """
 
     EMBED_NORM = 1.5  # routing.py Top2Gate.forward: self.wg.mul_(1.5 / wg_norm)
@@ -260,6 +262,7 @@ class XMoERouter(Router):
         self.expert_embed = nn.Parameter(torch.empty(cfg.n_experts, cfg.router_dim))
         self.gate_kind = cfg.xmoe_gate
         self.generator: torch.Generator | None = None
+        self.recomputing = False
         if self.code:  # nn.Linear's default init (wg_reduction); no temperature; normalise before drops only
             self.temperature = None
             self.renormalize = False
@@ -271,7 +274,7 @@ class XMoERouter(Router):
     def scores(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         z = _linear(x, self.proj.weight)  # the low-dimensional scores below are fp32 in either router_dtype
         if self.code:
-            if self.training:  # keep the stored embeddings at norm 1.5, as the code does (no host sync)
+            if self.training and not self.recomputing:  # keep the stored embeddings at norm 1.5, as the code does
                 with torch.no_grad():
                     self.expert_embed.mul_(self.EMBED_NORM / self.expert_embed.norm(dim=1, keepdim=True))
             logits = z @ F.normalize(self.expert_embed.float(), dim=-1, eps=1e-4).t()

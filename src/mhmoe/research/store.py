@@ -5,11 +5,11 @@ suites sharing a model (under any label) reuse the finished run instead of train
     RECORDS/<key>.json        the run's record (default RECORDS = STORE/records): small, self-contained,
                               meant to be committed; a suite reports from records alone
 
-``key`` is the first 16 hex digits of the sha256 of the run's *identity*: its resolved config (model,
-training, data, seed, steps -- so the token budget) without the fields that do not change what it computes
-(:data:`BOOKKEEPING`: logging, evaluation and checkpoint intervals, threads, device, parallel layout,
-cache directory; the preset name; the vocabulary size, which the tokenizer sets). A record holds the
-identity, the full config, the run's ``results.json``, its evaluation curve (every evaluation: step, tokens
+``key`` is the first 16 hex digits of the sha256 of the run's *identity*: its resolved config (model, training,
+data, seed, steps -- so the token budget) without the fields that do not change what it computes
+(:data:`BOOKKEEPING`: logging, evaluation and checkpoint intervals, threads, device, parallel layout, activation
+checkpointing, cache directory; the preset name; the vocabulary size, which the tokenizer sets). A record holds
+the identity, the full config, the run's ``results.json``, its evaluation curve (every evaluation: step, tokens
 seen, loss per validation set), a thinned training-loss curve, the corpus's training tokens and the epochs
 trained, the data version (training tokens and the tokenizer's fingerprint: a corpus read from installed
 packages differs between machines whose package versions differ), and the environment of the process that
@@ -36,7 +36,7 @@ from mhmoe.runtime.reading import read_json, read_text, regular_or_missing, syml
 
 #: fields that do not change what a run computes (launch properties and logging), ignored by the key
 BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last", "threads", "device", "parallel",
-               "ep", "cache_dir"}
+               "ep", "cache_dir", "activation_checkpointing"}
 IGNORED = ("name", "model.vocab_size")
 #: fields added to the config after run records were first written, with the value every older run had: left out
 #: of the identity at that value, so that the keys and records of older runs stay valid

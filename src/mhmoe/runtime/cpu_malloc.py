@@ -47,3 +47,28 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (<malloc.h>, glibc 2.33 and later)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def held_bytes() -> int | None:
+    """Bytes of CPU memory ``malloc`` has handed out and not had back (glibc's ``mallinfo2``: ``uordblks``, the
+    heap's allocated bytes, plus ``hblkhd``, the mmap'ed ones) -- PyTorch's CPU tensors among them. None where it
+    cannot say: not Linux/glibc (2.33+), or another allocator preloaded (it keeps its own books). Benchmarks and
+    tests take differences of it, e.g. the activations a training forward keeps for the backward."""
+    if not sys.platform.startswith("linux") or any(
+            name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc", "mimalloc")):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)

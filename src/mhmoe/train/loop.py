@@ -45,6 +45,7 @@ from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError, TrainingStopped
 from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model import build_model
+from mhmoe.model.recompute import set_activation_checkpointing
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.files import atomic_write
@@ -171,6 +172,7 @@ class Trainer:
         self._write_config()
         resumed = self.ckpt is not None and self.ckpt.model is not None
         self.model = self.ckpt.model if resumed else build_model(self.run_config.model)
+        set_activation_checkpointing(self.model, self.train_config.activation_checkpointing)
         self.module = par.parallelize(self.model)
         self.optimizer = build_optimizer(self.model, self.train_config, fused=par.fused_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.train_config))

@@ -174,6 +174,8 @@ def run_header(run: Any, run_dir: Any, params: int, flops_per_token: float, data
         + f"; lr {t.lr:g} {t.schedule}, warm-up {t.warmup_steps}",
         f"  eval    {sets}, <= {t.eval_batches} batches per validation set; checkpoints every "
         f"{t.ckpt_every or t.max_steps} steps (keep {t.keep_last})",
-        f"  device  {device_text(device, t.dtype)}",
+        f"  device  {device_text(device, t.dtype)}"
+        + (f"; activation checkpointing: {t.activation_checkpointing}" if t.activation_checkpointing != "none"
+           else ""),
     ]
     return lines

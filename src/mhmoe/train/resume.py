@@ -27,7 +27,7 @@ from mhmoe.train.optim import build_optimizer
 
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
-LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep")
+LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep", "activation_checkpointing")
 # where this machine caches tokens or keeps a data bundle: never a checkpoint's choice
 LAUNCH_DATA_FIELDS = ("cache_dir", "bundle")
 
