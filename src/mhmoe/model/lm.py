@@ -29,7 +29,7 @@ from mhmoe.config.moe import MoEConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm_loss import chunked_token_loss, token_loss, use_chunks
 from mhmoe.model.pretrained import PretrainedMixin
-from mhmoe.model.recompute import BlockRecompute, run_part
+from mhmoe.model.recompute import Recomputable, run_part
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import FFNOutput, RoutingStats, build_ffn_layer
 from mhmoe.quant.bitnet import BitLinear, SubNorm
@@ -151,13 +151,11 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
 
 
-class Block(nn.Module):
+class Block(Recomputable):
     """Pre-norm transformer block: attention (causal or bidirectional), then the dense or (MH-)MoE FFN
     (every ``moe_every``-th block) on the real positions (``mask``). ``recompute`` (set from outside by
     :func:`mhmoe.model.recompute.set_activation_checkpointing`): the part a training forward runs under
     activation checkpointing, ``none`` | ``block`` | ``ffn``."""
-
-    recompute: BlockRecompute = "none"
 
     def __init__(self, cfg: ModelConfig, index: int, causal: bool = True) -> None:
         super().__init__()

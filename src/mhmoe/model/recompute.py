@@ -9,10 +9,10 @@
 - ``blocks``: every transformer block keeps only its input (attention and FFN run again in the backward):
   the least memory, the most recomputation (about one more forward).
 
-It is applied from outside the model code: :func:`set_activation_checkpointing` sets each
-:class:`~mhmoe.model.lm.Block`'s ``recompute`` (its parameter names, and so checkpoints, stay the same), and
-the block runs the chosen part under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant: works with
-DDP, FSDP2, expert parallelism, ``torch.compile`` and the custom autograd functions of every dispatch path)
+It is applied from outside the model code: :func:`set_activation_checkpointing` sets each block's ``recompute``
+(:class:`~mhmoe.model.lm.Block` is a :class:`Recomputable`; its parameter names, and so checkpoints, stay the
+same), and the block runs the chosen part under :func:`torch.utils.checkpoint.checkpoint` (non-reentrant: works
+with DDP, FSDP2, expert parallelism, ``torch.compile`` and the custom autograd functions of every dispatch path)
 only when it records a graph (a training forward with gradients); evaluation and generation run as before.
 
 Recomputation reproduces the forward exactly: the global RNG (the noisy router's noise, X-MoE's coin flips)
@@ -33,21 +33,28 @@ from torch.utils.checkpoint import checkpoint
 
 from mhmoe.moe.routers import XMoERouter
 
-#: what a :class:`~mhmoe.model.lm.Block` runs again in the backward: nothing, the whole block, its FFN sub-layer
+#: what a block runs again in the backward: nothing, the whole block, its FFN sub-layer
 BlockRecompute = Literal["none", "block", "ffn"]
+
+
+class Recomputable(nn.Module):
+    """A transformer block (:class:`mhmoe.model.lm.Block`) as :func:`set_activation_checkpointing` sees it:
+    ``recompute``, the part its training forward runs under activation checkpointing; ``is_moe``, whether its FFN
+    is an MoE layer."""
+
+    recompute: BlockRecompute = "none"
+    is_moe: bool
 
 
 def set_activation_checkpointing(model: nn.Module, mode: str) -> int:
     """Set what every block of ``model`` (a decoder LM or the encoder) recomputes in the backward: ``mode``
     ``none`` | ``moe`` (the FFN sub-layer of the MoE blocks) | ``blocks`` (every block). Returns the number of
     blocks that recompute something."""
-    from mhmoe.model.lm import Block  # lm imports this module
-
     if mode not in ("none", "moe", "blocks"):
         raise ValueError(f"invalid activation checkpointing mode={mode!r}: allowed none | moe | blocks")
     n = 0
     for block in model.modules():
-        if isinstance(block, Block):
+        if isinstance(block, Recomputable):
             part: BlockRecompute = "block" if mode == "blocks" else "ffn" if mode == "moe" and block.is_moe else "none"
             block.recompute = part
             n += part != "none"
