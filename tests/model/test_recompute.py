@@ -105,6 +105,22 @@ def test_recomputation_trains_the_same_step_bit_for_bit(name):
     assert steps["blocks"]["calls"] == {"attn": 2 * n, "ffn": 2 * n}
 
 
+@pytest.mark.parametrize("impl", ["sorted", "chunked", "padded", "loop"])
+def test_every_dispatch_path_recomputes_the_same_step(impl):
+    model = lm(MoEConfig(n_experts=4, top_k=2, d_expert=32, heads=2, head_layer=True, merge_layer=True,
+                         impl=impl)).train()
+    steps = {mode: train_step(model, mode, lm_batch()) for mode in ("none", "moe")}
+    assert_same_step(steps["moe"], steps["none"])
+
+
+def test_bitnet_recomputes_the_same_step():
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=32, heads=2, head_layer=True, merge_layer=True, quant="bitnet158")
+    model = lm(moe, quant="bitnet158").train()
+    steps = {mode: train_step(model, mode, lm_batch()) for mode in MODES}
+    assert_same_step(steps["moe"], steps["none"])
+    assert_same_step(steps["blocks"], steps["none"])
+
+
 def test_the_x_moe_code_reading_rescales_its_embeddings_once_per_step():
     """The stored expert embeddings are rescaled in the training forward only, not again when it is recomputed
     (which would move them by rounding): checked directly on the flag the recomputation sets."""
