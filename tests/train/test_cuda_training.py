@@ -1,6 +1,6 @@
-"""Training on CUDA (skipped without a GPU): no host synchronisation inside a dropless training step,
-bf16 training lowers the loss with the default execution path, and the CLI trains, evaluates and
-generates on CUDA with no extra flags."""
+"""Training on CUDA (skipped without a GPU): no host synchronisation inside a dropless training step (with activation
+checkpointing too, which trains the same weights), bf16 training lowers the loss with the default execution path,
+and the CLI trains, evaluates and generates on CUDA with no extra flags."""
 
 from pathlib import Path
 
@@ -32,6 +32,30 @@ def test_training_steps_never_wait_for_the_device(tmp_path, moe, dtype):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(bool(r.finite) for r in results)
+
+
+@pytest.mark.parametrize("mode", ["moe", "blocks"])
+def test_recomputing_training_steps_never_wait_for_the_device(tmp_path, mode):
+    """Activation checkpointing on the default bf16 path: no host synchronisation either, and the same losses
+    and weights as the steps that keep their activations (the recomputation runs the same kernels on the same
+    inputs)."""
+    got = {}
+    for m in ("none", mode):
+        run = tiny_run(tmp_path, MHMOE, device="cuda", dtype="bfloat16", max_steps=50, log_every=1000,
+                       activation_checkpointing=m)
+        trainer = Trainer(run, tmp_path / m, resume=False, progress=False, stop_after=None,
+                          parallelism=SingleProcess(torch.device("cuda")))
+        losses = [float(trainer.train_step(step).lm_loss) for step in range(2)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            results = [trainer.train_step(step) for step in range(2, 5)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got[m] = (losses + [float(r.lm_loss) for r in results], trainer.model.state_dict())
+    assert got[mode][0] == pytest.approx(got["none"][0], rel=1e-5)
+    for k, v in got["none"][1].items():
+        torch.testing.assert_close(got[mode][1][k], v, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_bf16_training_lowers_the_loss_on_cuda(tmp_path):
