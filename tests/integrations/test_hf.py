@@ -336,3 +336,45 @@ def test_bundled_model_code_is_our_source_with_relative_imports():
     assert "mhmoe.moe.dispatch.triton.custom_ops' + ' is not part of the exported model code" in files[
         "mhmoe_moe_dispatch_triton_ops.py"]
     assert not any("launch" in name or "backward" in name for name in files)
+
+
+def test_transformers_activation_checkpointing_recomputes_every_block_with_the_same_gradients():
+    """``gradient_checkpointing_enable()`` (what the transformers Trainer calls) turns on mhmoe's recomputation of
+    every block (counted), with the gradients of the model without it; ``every_n_layers`` and disabling work; a
+    training forward that fills a KV cache is never recomputed (it would append to the cache twice)."""
+    import warnings
+
+    lm = trained_lm("mhmoe")
+    model = MHMoEForCausalLM.from_lm(lm).train()
+    x = _ids(2, 10)
+
+    def step(**kw):
+        calls = []
+        hooks = [b.attn.register_forward_pre_hook(lambda *_: calls.append(1)) for b in model.model.blocks]
+        model.zero_grad(set_to_none=True)
+        out = model(x, labels=x, **kw)
+        out.loss.backward()
+        for h in hooks:
+            h.remove()
+        return len(calls), [p.grad.clone() for p in model.parameters()], out
+
+    n = len(model.model.blocks)
+    plain_calls, plain, _ = step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5.x renames the switch; both names work
+        model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing
+    calls, grads, _ = step()
+    assert (plain_calls, calls) == (n, 2 * n)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
+    calls, grads, out = step(use_cache=True)
+    assert calls == n and output_cache(out).get_seq_length() == 10
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
+    model._set_gradient_checkpointing(True, every_n_layers=2)
+    assert [b.recompute for b in model.model.blocks] == ["block" if i % 2 == 0 else "none" for i in range(n)]
+    assert n >= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_disable()
+        assert not model.is_gradient_checkpointing
+    assert step()[0] == n

@@ -171,8 +171,8 @@ class Block(Recomputable):
                 layer: int = 0, key_mask: Tensor | None = None, stats: bool = True) -> tuple[Tensor, FFNOutput]:
         """x [B, T, D]; mask [B, T] (True = a real position, routed); key_mask: see :class:`Attention`;
         ``stats=False``: the MoE FFN computes no router losses or statistics (generation)."""
-        return run_part(self, self.recompute == "block", self._forward, x, cos, sin, mask, cache, layer, key_mask,
-                        stats)
+        return run_part(self, self.recompute == "block" and cache is None, self._forward, x, cos, sin, mask, cache,
+                        layer, key_mask, stats)  # a KV cache is appended to: never run twice
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache | None, layer: int,
                  key_mask: Tensor | None, stats: bool) -> tuple[Tensor, FFNOutput]:

@@ -12,7 +12,9 @@ so weights, routing and BitNet b1.58 fake quantization are exactly those of trai
   (a ``DynamicCache`` by default) is seen by our attention through :class:`CacheView`;
 - left-padded batches: ``attention_mask`` zeros become padding keys no query attends to, and pad
   tokens are excluded from routing. RoPE depends only on relative positions, so a row's padding
-  offset does not change its logits (up to float rounding of the masked attention path).
+  offset does not change its logits (up to float rounding of the masked attention path);
+- transformers' activation checkpointing switch (``gradient_checkpointing_enable()``, the Trainer's
+  ``gradient_checkpointing=True``), which recomputes every block as ``train.activation_checkpointing=blocks``.
 
 Sampling with ``generate(do_sample=True, temperature=t, top_k=k)`` draws the same tokens as
 :func:`mhmoe.model.generate.generate` seeded with the same seed (both call ``torch.multinomial`` once per
@@ -37,7 +39,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mhmoe.integrations.hf.configuration_mhmoe import MHMoEConfig
 from mhmoe.model.generate import filter_logits
-from mhmoe.model.lm import LM, rope_tables
+from mhmoe.model.lm import LM, Block, rope_tables
+from mhmoe.model.recompute import set_activation_checkpointing
 
 #: the output field that holds the KV cache in the installed transformers ("cache" from 5.24 on)
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -94,6 +97,20 @@ class MHMoEPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
     _supports_cache_class = True
+    supports_gradient_checkpointing = True
+    gradient_checkpointing = False  # what transformers' is_gradient_checkpointing reads
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = None,
+                                    every_n_layers: int = 1, **kwargs: Any) -> None:
+        """transformers' activation checkpointing (``model.gradient_checkpointing_enable()``,
+        ``TrainingArguments(gradient_checkpointing=True)``) as mhmoe's: every ``every_n_layers``-th block runs again
+        in the backward (:mod:`mhmoe.model.recompute`: non-reentrant ``torch.utils.checkpoint`` in a training
+        forward without a KV cache; the checkpoint function and arguments transformers passes are not used)."""
+        self.gradient_checkpointing = enable
+        set_activation_checkpointing(self, "none")
+        for i, block in enumerate(m for m in self.modules() if isinstance(m, Block)):
+            if enable and i % every_n_layers == 0:
+                block.recompute = "block"
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Weights are initialised by :class:`~mhmoe.model.LM` itself (or loaded); only the
