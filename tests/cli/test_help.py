@@ -67,8 +67,8 @@ def test_invalid_flag_values_are_one_line_config_errors(tmp_path, capsys, argv, 
 
 def test_choices_are_checked_by_the_parser(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["train", "--out", "x", "--dtype", "float16"])
-    assert info.value.code == 2 and "float16" in capsys.readouterr().err
+        main(["train", "--out", "x", "--dtype", "float64"])
+    assert info.value.code == 2 and "float64" in capsys.readouterr().err
 
 
 def test_every_subcommand_is_summarised_and_described(capsys):

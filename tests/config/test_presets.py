@@ -50,7 +50,7 @@ def base_run() -> RunConfig:
         ("train.batch_size=2.5", "train.batch_size"),
         ("train.seq_len=128", "train.seq_len"),  # > model.max_seq_len
         ("train.schedule=exponential", "train.schedule"),
-        ("train.dtype=float16", "train.dtype"),
+        ("train.dtype=float64", "train.dtype"),
         ("train.device=tpu", "train.device"),
         ("train.min_lr_ratio=2", "train.min_lr_ratio"),
         ("train.compile=maybe", "train.compile"),

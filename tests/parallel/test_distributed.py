@@ -1,7 +1,7 @@
 """Distributed training on CPU with gloo, 2 processes (torch.multiprocessing.spawn): expert-parallel
 layers equal the single-process layer (outputs and gradients), DDP / FSDP2 training reproduces the
-single-process loss curve on the same global batch (with activation checkpointing too), and DCP checkpoints
-reshard from 2 ranks to 1.
+single-process loss curve on the same global batch (with activation checkpointing, and in float16 with its loss
+scale, too), and DCP checkpoints reshard from 2 ranks to 1.
 
 Each test spawns its processes once and runs several cases inside them (process start-up dominates).
 """
@@ -142,6 +142,8 @@ TRAIN_CASES = {  # name -> (moe, train overrides); MHMOE is test_train's MH-MoE 
     # the MoE layers recomputed in the backward: their all-to-alls run again, on every rank alike
     "fsdp-ep2": (MoEConfig(n_experts=6, top_k=3, d_expert=16, heads=3, head_layer=True, merge_layer=True),
                  dict(parallel="fsdp", ep=2, grad_accum=2, activation_checkpointing="moe")),
+    # float16 with loss scaling: one scale on every rank, driven by the all-reduced gradient norm
+    "ddp-ep2-fp16": (SMOE4, dict(parallel="ddp", ep=2, dtype="float16")),
 }
 
 SLOW_CASES = {  # 4 processes, dp x ep = 2 x 2: 4 experts per rank, FSDP2 shards them over the 2 dp ranks
@@ -210,7 +212,8 @@ def test_data_parallel_loss_curve_matches_single_process(dist_runs, tmp_path, mo
     train(_case_run(dist_runs, name, parallel="none", ep=1), ref_dir, progress=False)
     got, want = _records(dist_runs / name), _records(ref_dir)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
-    for key in ("loss", "aux_loss", "grad_norm", "load_imbalance", "balance_loss"):
+    scale = ["loss_scale", "scale_skips"] if TRAIN_CASES[name][1].get("dtype") == "float16" else []
+    for key in ("loss", "aux_loss", "grad_norm", "load_imbalance", "balance_loss", *scale):
         a, b = [r[key] for r in got], [r[key] for r in want]
         assert a == pytest.approx(b, rel=2e-4, abs=1e-6), (name, key)
     assert got[0]["tokens"] == WORLD * want[0]["tokens"]  # all ranks counted (the reference config says B rows)

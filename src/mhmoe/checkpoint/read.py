@@ -164,10 +164,10 @@ def read_trainer_state(path: Path, step: int | None = None, for_resume: bool = F
 
 
 def check_trainer_state(path: Path, state: Any, step: int | None, with_optimizer: bool) -> dict[str, Any]:
-    """The trainer state of checkpoint ``step`` has what a resume needs, with the right types: counters
-    (``step`` equal to the checkpoint's), the LR scheduler at that step, the CPU RNG state and (single-file
-    checkpoints) the optimizer state dict. CheckpointError otherwise, so a resume falls back to an older
-    checkpoint instead of failing half-way."""
+    """The trainer state of checkpoint ``step`` has what a resume needs, with the right types: counters (``step``
+    equal to the checkpoint's), the LR scheduler at that step, the CPU RNG state, (single-file checkpoints) the
+    optimizer state dict and (float16 runs) a well-formed loss scale. CheckpointError otherwise, so a resume falls
+    back to an older checkpoint instead of failing half-way."""
     if not isinstance(state, dict):
         raise _bad(path, f"is a {type(state).__name__}, not a dict")
     need: dict[str, type | tuple[type, ...]] = {
@@ -189,4 +189,20 @@ def check_trainer_state(path: Path, state: Any, step: int | None, with_optimizer
         opt = state["optimizer"]
         if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
             raise _bad(path, "holds no optimizer state ('state' and 'param_groups')")
+    skips = state.get("scale_skips", 0)
+    if not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
+        raise _bad(path, "holds a malformed count of float16 overflow steps ('scale_skips')")
+    if "loss_scale" in state and not _loss_scale_ok(state["loss_scale"]):
+        raise _bad(path, "holds a malformed loss scale (float16 training)")
     return state
+
+
+def _loss_scale_ok(ls: Any) -> bool:
+    """A float16 run's loss scale (:meth:`mhmoe.train.loss_scale.LossScale.state_dict`): a positive finite fp32
+    scale and a non-negative int64 count, both 0-dim tensors."""
+    if not isinstance(ls, dict) or set(ls) != {"scale", "finite_run"}:
+        return False
+    scale, run = ls["scale"], ls["finite_run"]
+    return (isinstance(scale, torch.Tensor) and isinstance(run, torch.Tensor) and scale.shape == run.shape == ()
+            and scale.dtype == torch.float32 and run.dtype == torch.int64 and bool(torch.isfinite(scale))
+            and float(scale) > 0 and int(run) >= 0)

@@ -140,7 +140,8 @@ def add_run_flags(p: argparse.ArgumentParser, presets: tuple[str, ...] = ("tiny-
     p.add_argument("--device", choices=DEVICES, help="= train.device; auto: CUDA when available "
                    f"{d('train.device')}")
     p.add_argument("--dtype", choices=DTYPES, help="autocast dtype; = train.dtype. bfloat16 is fast on GPUs and on "
-                   f"CPUs with avx512_bf16/amx_bf16 only {d('train.dtype')}")
+                   "CPUs with avx512_bf16/amx_bf16 only; float16 (dynamic loss scaling) is for GPUs without bf16 "
+                   f"{d('train.dtype')}")
     p.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (0: only at the end); "
                    f"= train.eval_every {d('train.eval_every')}")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. model.moe.top_k=2 "
@@ -148,7 +149,8 @@ def add_run_flags(p: argparse.ArgumentParser, presets: tuple[str, ...] = ("tiny-
 
 
 def warn_slow_bf16(device: str, dtype: str) -> None:
-    """One line on rank 0 when bf16 is chosen on a CPU without native bf16 (mhmoe.runtime.cpu)."""
+    """One line on rank 0 when bf16 is chosen on a CPU without native bf16, or float16 on a CPU
+    (mhmoe.runtime.cpu.bf16_warning)."""
     from mhmoe.runtime.console import warn_line
     from mhmoe.runtime.cpu import bf16_warning
 
@@ -163,8 +165,10 @@ def warn_slow_bf16(device: str, dtype: str) -> None:
 
 # ---- train -----------------------------------------------------------------------------------------
 RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with the run's own config (model, "
-               "data, optimizer, schedule); --max-steps, --parallel, --ep, train.threads and data.cache_dir come "
-               "from this command, and any other flag or --set that differs from the run's value is refused. "
+               "data, optimizer, schedule); --max-steps, --parallel, --ep, train.threads, "
+               "train.activation_checkpointing and data.cache_dir come from this command (--max-steps and "
+               "train.activation_checkpointing only when given), and any other flag or --set that differs from the "
+               "run's value is refused. "
                "Without a checkpoint (killed before the first), the run's own config.yaml starts again from step 0; "
                "without a checkpoint and a config.yaml, name the run with --config or --preset. "
                "Without --resume, an --out that holds checkpoints is refused")
@@ -235,7 +239,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--batches", type=int, metavar="N", help="max evaluation batches per set (default: the run's "
                    "train.eval_batches)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the run's train.dtype)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="autocast dtype (default: the run's "
+                   "train.dtype)")
     add_harness_args(p, tasks_required=False)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (stderr)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

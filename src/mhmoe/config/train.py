@@ -8,7 +8,7 @@ from typing import Literal, get_args
 from mhmoe.config.fields import INT64, check, check_types
 
 Schedule = Literal["linear", "cosine", "constant"]
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Parallel = Literal["auto", "none", "ddp", "fsdp"]
 ParallelMode = Literal["none", "ddp", "fsdp"]  # train.parallel with auto decided (mhmoe.parallel.launch.parallel_mode)
@@ -42,7 +42,9 @@ class TrainConfig:
     lr_stage2_ratio: float = 1.0
     wd_stage2: float | None = None
     grad_clip: float = 1.0  # 0 = off
-    dtype: DType = "float32"  # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU)
+    # autocast dtype: float32 (off) | bfloat16 (CUDA and CPU) | float16 (with dynamic loss scaling, for GPUs without
+    # bf16 such as the T4 and V100; mhmoe.train.loss_scale)
+    dtype: DType = "float32"
     compile: bool = False  # torch.compile the model
     # with compile, on CUDA: capture the compiled forward and backward as CUDA graphs (torch.compile mode
     # "reduce-overhead"); the default paths have no host synchronisation, so the capture holds
@@ -80,6 +82,8 @@ class TrainConfig:
                "an integer >= 1 (1 = no expert parallelism)")
         check(self.compile or not self.cuda_graphs, "train.cuda_graphs", self.cuda_graphs,
               "false, or true together with train.compile=true (CUDA graphs capture the compiled model)")
+        check(self.dtype != "float16" or self.parallel != "fsdp", "train.dtype", self.dtype,
+              "float32 | bfloat16 with train.parallel=fsdp (float16 loss scaling runs with ddp or one process)")
         check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
         for name in ("beta1", "beta2"):

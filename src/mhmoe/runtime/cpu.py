@@ -117,8 +117,11 @@ def _darwin_bf16() -> bool | None:
 
 def bf16_warning(device: str, dtype: str, native: bool | None = None) -> str | None:
     """The warning for running ``dtype`` on ``device`` ("cpu" / "cuda"), or None when there is nothing to say:
-    only bfloat16 on a CPU known to lack native bf16 gets one. ``native``: the answer of
+    bfloat16 on a CPU known to lack native bf16, and float16 on any CPU. ``native``: the answer of
     :func:`native_bf16` if already known (None: ask it)."""
+    if dtype == "float16" and str(device).startswith("cpu"):
+        return ("float16 (with loss scaling) is meant for GPUs without bf16 (T4, V100); on a CPU use --dtype float32, "
+                "or bfloat16 where the CPU has it (README: 'CPUs, GPUs and bf16')")
     if dtype not in ("bfloat16", "bf16") or not str(device).startswith("cpu"):
         return None
     if (native_bf16() if native is None else native) is not False:

@@ -21,5 +21,6 @@ def resolve_device(name: str, field: str = "train.device") -> torch.device:
 
 
 def autocast_ctx(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` when ``dtype == "bfloat16"``, else a no-op context."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    """Autocast on ``device`` to ``dtype`` (``bfloat16`` or ``float16``), else (``float32``) a no-op context."""
+    half = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    return torch.autocast(device.type, dtype=half.get(dtype, torch.bfloat16), enabled=dtype in half)

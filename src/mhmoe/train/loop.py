@@ -52,6 +52,7 @@ from mhmoe.runtime.files import atomic_write
 from mhmoe.runtime.reading import regular_or_missing
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.lock import RunDirLock
+from mhmoe.train.loss_scale import LossScale
 from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.objectives import Objective, build_objective
 from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
@@ -83,6 +84,7 @@ class Progress:
     nan_total: int = 0
     tokens_seen: int = 0
     train_s: float = 0.0
+    scale_skips: int = 0  # float16: steps skipped for a gradient overflow at the loss scale (mhmoe.train.loss_scale)
 
 
 @dataclass
@@ -92,11 +94,16 @@ class StepResult:
 
     step: int
     finite: Tensor
+    loss_finite: Tensor
     lm_loss: Tensor
     aux_loss: Tensor
     grad_norm: Tensor
     lr: float
     routing: list[RoutingStats] = field(default_factory=list)
+
+
+#: float16 gradient overflows in a row that stop a run: the loss scale has halved this many times (2**16 -> 2**-34)
+MAX_SCALE_SKIPS = 50
 
 
 def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
@@ -176,6 +183,7 @@ class Trainer:
         self.module = par.parallelize(self.model)
         self.optimizer = build_optimizer(self.model, self.train_config, fused=par.fused_optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.train_config))
+        self.loss_scale = LossScale(par.device, enabled=self.train_config.dtype == "float16")
         self.state = self._restore()
         self.start = self.state.step
         self.forward = compiled(self.module, self.train_config.compile, self.train_config.cuda_graphs,
@@ -186,7 +194,7 @@ class Trainer:
         self._print_header()
         self.bar = StepBar(self.train_config.max_steps, self.start, self.train_config.tokens_per_step * par.world_size,
                            par.device, self.progress, desc=self.run_config.name)
-        self.nan_run = 0
+        self.nan_run = self.scale_run = 0  # non-finite losses / float16 overflows in a row
         self.nan_at_start = self.state.nan_total
         self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
         self.stop = StopRequests(enabled=False)  # replaced by run(): signals deferred to step boundaries
@@ -274,7 +282,9 @@ class Trainer:
         torch.set_rng_state(st["rng_cpu"])
         if self.parallelism.device.type == "cuda" and "rng_cuda" in st:
             torch.cuda.set_rng_state(st["rng_cuda"])
-        return Progress(st["step"], st["nan_total"], st["tokens_seen"], st["train_s"])
+        if self.loss_scale.enabled and "loss_scale" in st:
+            self.loss_scale.load_state_dict(st["loss_scale"])
+        return Progress(st["step"], st["nan_total"], st["tokens_seen"], st["train_s"], st.get("scale_skips", 0))
 
     # ---- one optimizer step ------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
@@ -293,12 +303,15 @@ class Trainer:
             with self.parallelism.micro_step(last=micro == n - 1):
                 with autocast_ctx(self.parallelism.device, self.train_config.dtype):
                     out = self.objective.forward(self.forward, batch)
-                ((out.loss + out.aux_loss) / n).backward()
+                self.loss_scale.scaled((out.loss + out.aux_loss) / n).backward()
             lm, aux = lm + out.loss.detach().float(), aux + out.aux_loss.detach().float()
             routing = sum_routing(routing, _owned(out.routing) if graphs else out.routing)
         max_norm = self.train_config.grad_clip or math.inf
-        gnorm = self.parallelism.finish_grads(self.model, max_norm, torch.isfinite(lm + aux))
+        self.loss_scale.unscale_(self.model.parameters())
+        loss_finite = torch.isfinite(lm + aux)
+        gnorm = self.parallelism.finish_grads(self.model, max_norm, loss_finite)
         finite = torch.isfinite(gnorm)
+        self.loss_scale.update(finite)
         self.optimizer.param_groups[0]["weight_decay"] = weight_decay_at(self.train_config, step)
         self.parallelism.optimizer_step(self.optimizer, finite)
         if routing:
@@ -306,28 +319,38 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        return StepResult(step, finite, lm / n, aux / n, gnorm, lr, routing or [])
+        return StepResult(step, finite, loss_finite, lm / n, aux / n, gnorm, lr, routing or [])
 
     def count_skipped_steps(self) -> None:
         """Read the finiteness of the steps run since the last call (one host sync): count skipped steps
-        and their tokens, warn, and stop the run after ``train.max_nan_skips`` skipped steps in a row."""
+        and their tokens, warn, and stop the run after ``train.max_nan_skips`` skipped steps in a row. A float16
+        step skipped for a gradient overflow at a finite loss is the loss scale's business
+        (:mod:`mhmoe.train.loss_scale`): counted apart, no warning, unless they never end (:data:`MAX_SCALE_SKIPS`)."""
         if not self.pending:
             return
-        flags = torch.stack([r.finite for r in self.pending]).tolist()
+        flags = torch.stack([torch.stack([r.finite, r.loss_finite]) for r in self.pending]).tolist()
         steps, self.pending = [r.step for r in self.pending], []
-        for step, ok in zip(steps, flags, strict=True):
+        for step, (ok, loss_ok) in zip(steps, flags, strict=True):
             if ok:
-                self.nan_run = 0
+                self.nan_run = self.scale_run = 0
                 self.state.tokens_seen += self.train_config.tokens_per_step * self.parallelism.world_size
-                continue
-            self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
-            if self.parallelism.is_rank0:
-                print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
-                      f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
-            if self.nan_run > self.train_config.max_nan_skips:
-                limit = self.train_config.max_nan_skips
-                raise TrainingStopped(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
-                                      f"(train.max_nan_skips={limit}); lower train.lr or use float32")
+            elif loss_ok and self.loss_scale.enabled:
+                self.state.scale_skips, self.scale_run = self.state.scale_skips + 1, self.scale_run + 1
+                if self.scale_run > MAX_SCALE_SKIPS:
+                    raise TrainingStopped(f"stopping: {self.scale_run} float16 gradient overflows in a row at step "
+                                          f"{step} (the loss scale halved each time); use bfloat16 or float32")
+            else:
+                self._count_non_finite(step)
+
+    def _count_non_finite(self, step: int) -> None:
+        self.state.nan_total, self.nan_run = self.state.nan_total + 1, self.nan_run + 1
+        if self.parallelism.is_rank0:
+            print(f"mhmoe: warning: non-finite loss or gradient at step {step}; step skipped "
+                  f"({self.nan_run} in a row, {self.state.nan_total} total)", file=sys.stderr)
+        if self.nan_run > self.train_config.max_nan_skips:
+            limit = self.train_config.max_nan_skips
+            raise TrainingStopped(f"stopping: {self.nan_run} consecutive non-finite losses at step {step} "
+                                  f"(train.max_nan_skips={limit}); lower train.lr or use float32")
 
     # ---- logging, evaluation, checkpoints ----------------------------------------------------
     def log_step(self, res: StepResult) -> None:
@@ -341,7 +364,7 @@ class Trainer:
         self.window = (now, self.state.tokens_seen)
         rec = {"step": res.step + 1, "loss": lm, "aux_loss": aux, "lr": res.lr, "grad_norm": float(res.grad_norm),
                "tokens_per_s": tps, "tokens": self.state.tokens_seen, "nan_skips": self.state.nan_total,
-               **routing_summary(res.routing, self.train_config.grad_accum)}
+               **routing_summary(res.routing, self.train_config.grad_accum), **self._scale_summary()}
         if self.metrics is not None:
             self.metrics.log(rec)
 
@@ -367,7 +390,15 @@ class Trainer:
         st = {**asdict(self.state), "scheduler": self.scheduler.state_dict(), "rng_cpu": torch.get_rng_state()}
         if self.parallelism.device.type == "cuda":
             st["rng_cuda"] = torch.cuda.get_rng_state()
+        if self.loss_scale.enabled:
+            st["loss_scale"] = self.loss_scale.state_dict()
         return st
+
+    def _scale_summary(self) -> dict[str, float | int]:
+        """float16 runs: the loss scale now and the steps skipped for an overflow (none for other dtypes)."""
+        if not self.loss_scale.enabled:
+            return {}
+        return {"loss_scale": float(self.loss_scale.scale), "scale_skips": self.state.scale_skips}
 
     def save(self) -> None:
         """Checkpoint the current step (atomic; older checkpoints pruned to ``train.keep_last``)."""
@@ -453,6 +484,7 @@ class Trainer:
         res.flops_per_token = model_flops_per_token(self.run_config.model, self.train_config.seq_len).total  # analytic
         summary = {"preset": self.run_config.name, "step": st.step, "params": res.params,
                    "fwd_flops_per_token": res.flops_per_token, "tokens_per_s": res.tokens_per_s,
-                   "train_s": st.train_s, "nan_skips": st.nan_total, "eval": res.eval, **self.parallelism.summary()}
+                   "train_s": st.train_s, "nan_skips": st.nan_total, **self._scale_summary(), "eval": res.eval,
+                   **self.parallelism.summary()}
         atomic_write(self.run_dir / RESULTS_FILE, json.dumps(summary, indent=2), root=self.run_dir)
         return res
