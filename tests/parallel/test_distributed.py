@@ -233,6 +233,16 @@ def test_union_reference_is_not_trivially_equal(dist_runs, tmp_path):
     assert a != pytest.approx(b, rel=2e-4)
 
 
+def test_float16_dcp_checkpoint_carries_the_loss_scale(dist_runs):
+    """The 2-rank float16 run's sharded checkpoint holds its loss scale, and a resume accepts it."""
+    from mhmoe.train.resume import load_latest_for_resume
+
+    ck = load_latest_for_resume(dist_runs / "ddp-ep2-fp16")
+    assert ck.format == "dcp" and ck.step == 6
+    scale = ck.trainer_state["loss_scale"]["scale"]
+    assert float(scale) == _records(dist_runs / "ddp-ep2-fp16")[-1]["loss_scale"]
+
+
 # ---- (c) DCP checkpoint saved by 2 ranks (EP) loads in 1 process, converts, and training continues ----------
 def test_dcp_checkpoint_reshards_to_one_process_and_continues(dist_runs, tmp_path, monkeypatch):
     from mhmoe.checkpoint.format import list_checkpoints
