@@ -21,17 +21,23 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_steps_never_wait_for_the_device(tmp_path, moe, dtype):
     run = tiny_run(tmp_path, moe, device="cuda", dtype=dtype, max_steps=50, log_every=1000)
-    trainer = Trainer(run, tmp_path / "r", resume=False, progress=False, stop_after=None,
+    _, results = steps_without_syncs(run, tmp_path / "r", 4)
+    assert all(bool(r.finite) for r in results)
+
+
+def steps_without_syncs(run, run_dir: Path, n: int) -> tuple[Trainer, list]:
+    """Two warm-up steps (allocator, cuBLAS handles, autotuning), then ``n`` steps in which any host
+    synchronisation raises: the trainer and those steps' results."""
+    trainer = Trainer(run, run_dir, resume=False, progress=False, stop_after=None,
                       parallelism=SingleProcess(torch.device("cuda")))
-    for step in range(2):  # warm-up: allocator, cuBLAS handles, autotuning
-        trainer.train_step(step)
+    results = [trainer.train_step(step) for step in range(2)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        results = [trainer.train_step(step) for step in range(2, 6)]
+        results += [trainer.train_step(step) for step in range(2, 2 + n)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(bool(r.finite) for r in results)
+    return trainer, results[2:]
 
 
 @pytest.mark.parametrize("mode", ["moe", "blocks"])
@@ -43,16 +49,8 @@ def test_recomputing_training_steps_never_wait_for_the_device(tmp_path, mode):
     for m in ("none", mode):
         run = tiny_run(tmp_path, MHMOE, device="cuda", dtype="bfloat16", max_steps=50, log_every=1000,
                        activation_checkpointing=m)
-        trainer = Trainer(run, tmp_path / m, resume=False, progress=False, stop_after=None,
-                          parallelism=SingleProcess(torch.device("cuda")))
-        losses = [float(trainer.train_step(step).lm_loss) for step in range(2)]
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            results = [trainer.train_step(step) for step in range(2, 5)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        got[m] = (losses + [float(r.lm_loss) for r in results], trainer.model.state_dict())
+        trainer, results = steps_without_syncs(run, tmp_path / m, 3)
+        got[m] = ([float(r.lm_loss) for r in results], trainer.model.state_dict())
     assert got[mode][0] == pytest.approx(got["none"][0], rel=1e-5)
     for k, v in got["none"][1].items():
         torch.testing.assert_close(got[mode][1][k], v, rtol=1e-4, atol=1e-6, msg=k)
