@@ -137,9 +137,10 @@ def test_the_x_moe_code_reading_rescales_its_embeddings_once_per_step():
     assert torch.allclose(router.expert_embed.detach().norm(dim=1), torch.full((4,), 1.5))
 
 
-def test_recomputation_under_bf16_autocast_is_the_same_step():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_recomputation_under_autocast_is_the_same_step(dtype):
     model = lm(MOES["mhmoe-capacity"]).train()
-    steps = {mode: train_step(model, mode, lm_batch(), dtype=torch.bfloat16) for mode in MODES}
+    steps = {mode: train_step(model, mode, lm_batch(), dtype=dtype) for mode in MODES}
     for mode in ("moe", "blocks"):
         assert_same_step(steps[mode], steps["none"])
     assert steps["moe"]["calls"]["ffn"] == 2 * len(model.blocks)
