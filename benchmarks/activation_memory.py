@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                    help="autocast dtypes, each timed on its own (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default; default: %(default)s)")
     p.add_argument("--set", action="append", default=[], help="config override for every preset, e.g. "
