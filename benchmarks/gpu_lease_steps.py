@@ -10,7 +10,8 @@ the given steps (benchmarks/gpu_lease_plan.py: counted Triton compiles). ``bench
 ``mhmoe bench moe`` (:func:`mhmoe.research.bench.bench_config`) at 16,384 tokens, 20 round-robin repeats, without
 the loop oracle, with transformers' eager and grouped_mm experts backends as peers. ``train``: whole-model
 training tokens/s and MFU (benchmarks/train_throughput.py) of paper-dense, paper-mh3 and paper-mh3 with
-``impl=triton``, bf16, 10 timed steps after 3 warm-ups. Both write their JSON after every configuration / model,
+``impl=triton``, bf16, 10 timed steps after 3 warm-ups; then paper-mh3's activation memory and time per activation
+checkpointing mode (benchmarks/activation_memory.py). Both write their JSON after every configuration / model,
 so a step stopped at its cap keeps what it measured.
 
 The driver also reads the outputs of the two steps that write no JSON of their own: pytest's junit XML (or,
@@ -208,11 +209,29 @@ def bench(configs: list[str], dtype_name: str, json_path: str, dry: bool) -> int
 
 
 # ---- whole models ----------------------------------------------------------------------------------------------
-def _train_throughput():
-    spec = importlib.util.spec_from_file_location("gpu_lease_train_throughput", HERE / "train_throughput.py")
+def _script(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"gpu_lease_{name}", HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _train_throughput():
+    return _script("train_throughput")
+
+
+def activation_memory(dev, dry: bool) -> list[dict]:
+    """benchmarks/activation_memory.py's rows for paper-mh3 in bf16 at the train step's 16 x 1,024 tokens (dry run:
+    a two-layer tiny-mh3, one MoE block, 2 x 16 tokens, fp32): the memory each activation checkpointing mode keeps,
+    and its time."""
+    import argparse
+
+    am = _script("activation_memory")
+    preset, over = ("tiny-mh3", ["model.n_layers=2"]) if dry else ("paper-mh3", [])
+    args = argparse.Namespace(vocab=8192, batch_size=2 if dry else 16, seq_len=16 if dry else 1024,
+                              rounds=1 if dry else 2, set=over)
+    return am.measure(preset, "float32" if dry else "bfloat16", args, dev)
 
 
 def train(json_path: str, dry: bool) -> int:
@@ -248,6 +267,14 @@ def train(json_path: str, dry: bool) -> int:
             torch.cuda.empty_cache()
     if doc["rows"]:
         print(tt.format_table(doc["rows"]), flush=True)
+    try:  # the memory side of the same model: activation checkpointing's modes
+        doc["activation_memory"] = activation_memory(dev, dry)
+        _write(json_path, doc)
+        print(_script("activation_memory").table(doc["activation_memory"]), flush=True)
+    except Exception as exc:
+        doc["errors"].append({"preset": "activation_memory", "overrides": [], "error": _one_line(exc)})
+        _write(json_path, doc)
+        print(f"activation memory: {doc['errors'][-1]['error']}", flush=True)
     return 1 if doc["errors"] else 0
 
 

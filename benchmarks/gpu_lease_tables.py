@@ -3,7 +3,8 @@
     python benchmarks/gpu_lease_tables.py benchmarks/results/gpu/h100-2026-12-01      # rewrites the doc
     python benchmarks/gpu_lease_tables.py DIR --doc other.md --stdout                  # print instead
 
-Each GPU table of the doc sits below a marker line ``<!-- gpu-table: NAME -->`` (machine, layer, train, tests);
+Each GPU table of the doc sits below a marker line ``<!-- gpu-table: NAME -->`` (machine, layer, train, tests,
+actmem);
 this rewrites the table (and the ``<!-- source: ... -->`` line naming the JSON files its numbers come from,
 relative to the repository) from the JSON files in DIR, and leaves a table whose files are absent as it is.
 Numbers are written as the docs test checks them: ms with 2 decimals, ratios with 2, tokens/s whole, MFU in
@@ -31,6 +32,7 @@ HEADERS = {
               "floor/ours", "hf_grouped_mm/ours", "hf_eager/ours", "peak MiB (ours)"],
     "train": ["preset", "path", "tokens/s", "ms/step", "MFU", "tokens/s vs dense"],
     "tests": ["selection", "tests", "passed", "failed", "errors", "skipped"],
+    "actmem": ["model", "dtype", "mode", "held MiB", "held vs none", "peak MiB", "fwd+bwd ms", "time vs none"],
 }
 
 
@@ -94,7 +96,18 @@ def tests_rows(d: Path) -> tuple[list[Path], list[list[str]]]:
     return [p for p, _ in docs], out
 
 
-ROWS = {"machine": machine_rows, "layer": layer_rows, "train": train_rows, "tests": tests_rows}
+def actmem_rows(d: Path) -> tuple[list[Path], list[list[str]]]:
+    docs = _load(d, ["train.json"])
+    rows = docs[0][1].get("activation_memory") if docs else None
+    if not rows:
+        return [], []
+    out = [[r["preset"], r["dtype"], f"`{r['mode']}`", _num(r["held_mib"], ",.0f"), _num(r["held_vs_none"], ".2f"),
+            _num(r["peak_mib"], ",.0f"), _num(r["ms"], ".2f"), _num(r["time_vs_none"], ".2f")] for r in rows]
+    return [docs[0][0]], out
+
+
+ROWS = {"machine": machine_rows, "layer": layer_rows, "train": train_rows, "tests": tests_rows,
+        "actmem": actmem_rows}
 
 
 def render(name: str, rows: list[list[str]] | None) -> list[str]:

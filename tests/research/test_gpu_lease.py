@@ -72,6 +72,8 @@ def test_the_dry_run_measures_what_the_gpu_run_will(dry_run):
     assert [(r["preset"], [o for o in r["overrides"] if "impl" in o]) for r in train["rows"]] == [
         ("tiny-dense", []), ("tiny-mh3", []), ("tiny-mh3", ["model.moe.impl=triton"])]
     assert all(r["tokens_per_s"] > 0 for r in train["rows"]) and len(train["vs_dense"]) == 2
+    assert [(r["preset"], r["mode"]) for r in train["activation_memory"]] == [
+        ("tiny-mh3", "none"), ("tiny-mh3", "moe"), ("tiny-mh3", "blocks")] and not train["errors"]
     tests = json.loads((out / "gpu_tests.json").read_text())
     assert tests["source"] == "junit" and tests["tests"] == tests["skipped"] >= 12  # no CUDA: all skipped
 
@@ -214,15 +216,15 @@ def test_the_docs_gpu_tables_fill_from_the_lease_files(dry_run, tmp_path):
     doc = tmp_path / "PERFORMANCE.md"
     doc.write_text((ROOT / "docs" / "PERFORMANCE.md").read_text())
     before = [t for t in tables(doc) if t.rows and t.rows[0][0] == T.UNMEASURED]
-    assert len(before) == 4  # machine, layer, train, tests: marked, empty, no numbers
+    assert len(before) == 5  # machine, layer, train, tests, actmem: marked, empty, no numbers
     assert T.main([str(results), "--doc", str(doc), "--root", str(tmp_path)]) == 0
     filled = {t.header[0]: t for t in tables(doc) if t.source and "results/gpu/" in t.source[0]}
-    assert sorted(filled) == ["GPU", "config", "preset", "selection"]
+    assert sorted(filled) == ["GPU", "config", "model", "preset", "selection"]
     for t in filled.values():
         values = [v for s in t.source for v in source_values(tmp_path / s)]
         numbers = table_numbers(t)
         assert numbers and all(matches(n, values) for n in numbers), t.where
-    assert len(filled["config"].rows) == 8 and len(filled["preset"].rows) == 3
+    assert len(filled["config"].rows) == 8 and len(filled["preset"].rows) == 3 and len(filled["model"].rows) == 3
     again = doc.read_text()
     assert T.main([str(results), "--doc", str(doc), "--root", str(tmp_path)]) == 0
     assert doc.read_text() == again  # filling twice changes nothing
