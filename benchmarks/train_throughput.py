@@ -1,6 +1,7 @@
 """Training throughput of the presets: tokens/s of one full optimizer step (forward + backward +
 gradient clipping + fused AdamW that skips non-finite steps on the device + aux-free balance step, the
-pieces :meth:`mhmoe.train.loop.Trainer.train_step` runs) on random token batches of the preset's
+pieces :meth:`mhmoe.train.loop.Trainer.train_step` runs, with its loss scaling in float16 and the activation
+checkpointing ``--set train.activation_checkpointing=`` names) on random token batches of the preset's
 ``batch_size x seq_len``. Every row reports the model's analytic forward FLOPs per token
 (:func:`mhmoe.config.flops.model_flops_per_token`, the same for every execution path) and, on a GPU
 whose bf16 peak is known (or with ``--peak-tflops``), the model FLOPs utilisation
@@ -40,10 +41,12 @@ from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.presets import get_preset, preset_names
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
+from mhmoe.model.recompute import set_activation_checkpointing
 from mhmoe.research.bench import bf16_peak_tflops
 from mhmoe.runtime.cpu_malloc import ENV as MALLOC_ENV
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.device import autocast_ctx
+from mhmoe.train.loss_scale import LossScale
 from mhmoe.train.optim import build_optimizer
 from mhmoe.train.parallelism import SingleProcess
 
@@ -92,9 +95,11 @@ def prepare_preset(name: str, device: torch.device, dtype: str, batch_size: int 
     cfg = run.train
     torch.manual_seed(seed)
     model = LM(run.model).to(device)
+    set_activation_checkpointing(model, cfg.activation_checkpointing)  # --set train.activation_checkpointing=moe
     flops = model_flops_per_token(run.model, cfg.seq_len).total
     par = SingleProcess(device)
     opt = build_optimizer(model, cfg, fused=par.fused_optimizer)
+    scale = LossScale(device, enabled=cfg.dtype == "float16")
     g = torch.Generator(device="cpu").manual_seed(seed)
     V, B, T = run.model.vocab_size, cfg.batch_size, cfg.seq_len
     data = [torch.randint(0, V, (B, T + 1), generator=g).to(device) for _ in range(batches)]
@@ -106,10 +111,12 @@ def prepare_preset(name: str, device: torch.device, dtype: str, batch_size: int 
         t0 = time.perf_counter()
         with autocast_ctx(device, cfg.dtype):
             out = model(batch[:, :-1], batch[:, 1:], return_logits=False)  # as training does
-        (out.loss + out.aux_loss).backward()
+        scale.scaled(out.loss + out.aux_loss).backward()
         _sync(device)
         t1 = time.perf_counter()
+        scale.unscale_(model.parameters())
         gnorm = par.finish_grads(model, cfg.grad_clip or math.inf, torch.isfinite(out.loss + out.aux_loss))
+        scale.update(torch.isfinite(gnorm))
         par.optimizer_step(opt, torch.isfinite(gnorm))
         opt.zero_grad(set_to_none=True)
         if out.routing:
@@ -120,7 +127,7 @@ def prepare_preset(name: str, device: torch.device, dtype: str, batch_size: int 
 
     row = {"preset": name, "overrides": list(overrides or []), "device": device.type, "dtype": dtype,
            "params": model.num_params(), "fwd_flops_per_token": flops, "batch_size": B, "seq_len": T,
-           "tokens_per_step": B * T, "peak_tflops": peak_tflops or (bf16_peak_tflops(device) if dtype == "bfloat16"
+           "tokens_per_step": B * T, "peak_tflops": peak_tflops or (bf16_peak_tflops(device) if dtype != "float32"
                                                                      else None)}
     return step, row
 
@@ -193,7 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="presets to run (default: the 9 tiny-* presets without the ICML ones)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per preset (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype (float16 with the training loop's loss scaling)")
     p.add_argument("--device", default="all", choices=["all", "cpu", "cuda"],
                    help="all = cpu, plus cuda when available")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
