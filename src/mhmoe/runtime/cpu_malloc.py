@@ -34,19 +34,26 @@ def malloc_from_env() -> bool:
     return os.environ.get(ENV, "").lower() == "tuned" and tune_malloc()
 
 
-def tune_malloc() -> bool:
-    """Apply the glibc settings above; True when applied. No-op (False) off Linux/glibc or when
-    another allocator is preloaded."""
+def _glibc() -> ctypes.CDLL | None:
+    """The process's glibc, or None off Linux/glibc or when another allocator is preloaded (it keeps its own
+    heap, which glibc's knobs and counters do not see)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     if any(name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc", "mimalloc")):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 -- glibc only (musl has no mallopt knobs of these numbers)
     except (OSError, AttributeError):
-        return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+        return None
+    return libc
+
+
+def tune_malloc() -> bool:
+    """Apply the glibc settings above; True when applied. No-op (False) off Linux/glibc or when
+    another allocator is preloaded."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
 
 
 class _MallInfo2(ctypes.Structure):
@@ -61,13 +68,9 @@ def held_bytes() -> int | None:
     heap's allocated bytes, plus ``hblkhd``, the mmap'ed ones) -- PyTorch's CPU tensors among them. None where it
     cannot say: not Linux/glibc (2.33+), or another allocator preloaded (it keeps its own books). Benchmarks and
     tests take differences of it, e.g. the activations a training forward keeps for the backward."""
-    if not sys.platform.startswith("linux") or any(
-            name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc", "mimalloc")):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
+    libc = _glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None  # glibc 2.33+
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
