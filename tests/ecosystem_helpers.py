@@ -26,15 +26,18 @@ MOE = {
 KINDS = (*MOE, "bitnet")
 
 
-def tiny_config(kind: str, **over) -> ModelConfig:
-    """A 2-layer d=32 model of ``kind``: dense | smoe | mhmoe | shared | bitnet (MH-MoE, BitNet b1.58)."""
+def tiny_config(kind: str | MoEConfig, **over) -> ModelConfig:
+    """A 2-layer d=32 model of ``kind``: dense | smoe | mhmoe | shared | bitnet (MH-MoE, BitNet b1.58), or the FFN
+    layer a MoEConfig describes."""
+    if isinstance(kind, MoEConfig):
+        return ModelConfig(**{**TINY, **over}, moe=kind)
     if kind == "bitnet":
         moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, heads=2, head_layer=True, merge_layer=True, proj_bias=False)
         return ModelConfig(**{**TINY, **over}, moe=moe, quant="bitnet158")
     return ModelConfig(**{**TINY, **over}, moe=MOE[kind])
 
 
-def trained_lm(kind: str = "mhmoe", steps: int = 3, seed: int = 0, **over) -> LM:
+def trained_lm(kind: str | MoEConfig = "mhmoe", steps: int = 3, seed: int = 0, **over) -> LM:
     """A tiny model after a few AdamW steps on byte-tokenized text (so weights are not at init)."""
     torch.manual_seed(seed)
     lm = LM(tiny_config(kind, **over))
@@ -47,10 +50,11 @@ def trained_lm(kind: str = "mhmoe", steps: int = 3, seed: int = 0, **over) -> LM
     return lm.eval()
 
 
-def tiny_checkpoint(run_dir: Path, kind: str = "mhmoe") -> Path:
-    """A real training checkpoint (``save_checkpoint``) of a briefly trained tiny model, byte tokenizer."""
-    lm = trained_lm(kind)
-    run = RunConfig(name=f"tiny-{kind}", model=lm.cfg,
+def tiny_checkpoint(run_dir: Path, kind: str | MoEConfig = "mhmoe", **over) -> Path:
+    """A real training checkpoint (``save_checkpoint``) of a briefly trained tiny model (``over``: ModelConfig
+    fields), byte tokenizer."""
+    lm = trained_lm(kind, **over)
+    run = RunConfig(name=f"tiny-{kind if isinstance(kind, str) else 'custom'}", model=lm.cfg,
                     train=TrainConfig(max_steps=3, batch_size=1, seq_len=32, dtype="float32", device="cpu"),
                     data=DataConfig(tokenizer="byte"))
     return save_checkpoint(run_dir, 3, lm, run, ByteTokenizer(), {"step": 3})

@@ -33,6 +33,10 @@ def _add_export(sub) -> None:
     p.add_argument("out", metavar="OUT", help="output directory, which must not exist or be empty (--bitnet: "
                    "model.bitnet.safetensors, config.yaml, tokenizer/; --hf: config.json, model.safetensors, "
                    "tokenizer.json)")
+    p.add_argument("--hf-arch", default="mhmoe", choices=["mhmoe", "builtin"],
+                   help="--hf: mhmoe = our model class, its code in the directory (trust_remote_code; every model); "
+                        "builtin = a class built into transformers, no remote code: Llama for dense models, "
+                        "Qwen2-MoE for softmax-routed sparse MoE without MH-MoE heads (others are refused)")
     p.add_argument("--float-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="--bitnet: dtype of the tensors that stay unquantized")
     p.add_argument("--json", action="store_true", help="print the export report as JSON")
@@ -52,6 +56,8 @@ def _run_export(args) -> int:
         return run_export_hf(args)
     if not args.bitnet:
         raise ConfigError("export", "(no format)", "--bitnet | --hf")
+    if args.hf_arch != "mhmoe":
+        raise ConfigError("--hf-arch", args.hf_arch, "only with --hf")
     out = Path(args.out)
     refuse_non_empty(out)
     ck = load_latest(args.checkpoint, "cpu")

@@ -89,16 +89,23 @@ def run_export_hf(args: argparse.Namespace) -> int:
     from mhmoe.loading.checkpoint import load_latest
 
     ck = load_latest(args.checkpoint, "cpu")
-    report = export_hf(ck, args.out)  # quiet: transformers' bars and logs are off inside (quiet_transformers)
+    # quiet: transformers' bars and logs are off inside (quiet_transformers)
+    report = export_hf(ck, args.out, args.hf_arch)
     if args.json:
         print(json.dumps({**report.to_dict(), "checkpoint": str(ck.path)}, indent=2))
+        return 0
+    code = [f for f in report.files if f.endswith(".py")]
+    rest = [f for f in report.files if not f.endswith(".py") and "/" not in f]
+    builtin = report.architecture != "mhmoe"
+    what = f"{report.architecture} (built into transformers)" if builtin else f"{len(code)} model-code files"
+    print(f"{report.path}: transformers model (step {report.step}, {report.params:,} parameters; "
+          f"{', '.join(rest)}, {what})")
+    how = "loaded by transformers' own class" if builtin else "loaded through its own code"
+    print(f"check: {how}, logits max |diff| = {report.max_abs_logit_diff:.3g}, "
+          f"greedy generate of {report.generated_tokens} tokens equal to mhmoe's")
+    if builtin:
+        print(f"load: AutoModelForCausalLM.from_pretrained({str(report.path)!r}) (mhmoe not needed)")
     else:
-        code = [f for f in report.files if f.endswith(".py")]
-        rest = [f for f in report.files if not f.endswith(".py") and "/" not in f]
-        print(f"{report.path}: transformers model (step {report.step}, {report.params:,} parameters; "
-              f"{', '.join(rest)}, {len(code)} model-code files)")
-        print(f"check: loaded through its own code, logits max |diff| = {report.max_abs_logit_diff:.3g}, "
-              f"greedy generate of {report.generated_tokens} tokens equal to mhmoe's")
         print(f"load: AutoModelForCausalLM.from_pretrained({str(report.path)!r}, trust_remote_code=True) "
               "(mhmoe not needed), or import mhmoe.integrations.hf first and leave the flag out")
     return 0
