@@ -16,7 +16,7 @@ from mhmoe.config.train import TrainConfig
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM, LMOutput
 from mhmoe.train.evaluate import evaluate, forward_flops_per_token
-from mhmoe.train.optim import build_optimizer, lr_lambda
+from mhmoe.train.optim import build_optimizer, decay_start, lr_lambda
 
 V = 61
 DENSE = MoEConfig(kind="dense", d_expert=64)
@@ -223,3 +223,23 @@ def test_lr_schedule(schedule):
     else:
         assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
         assert all(f(s) >= f(s + 1) for s in range(10, 120))
+
+
+@pytest.mark.parametrize("shape,mid", [("1-sqrt", 1 - 0.5 ** 0.5), ("linear", 0.5), ("cosine", 0.5)])
+def test_wsd_holds_the_peak_then_cools_down_over_the_last_fraction(shape, mid):
+    c = TrainConfig(max_steps=110, warmup_steps=10, schedule="wsd", cooldown_fraction=0.2, cooldown_shape=shape,
+                    min_lr_ratio=0.1)
+    f = lr_lambda(c)
+    assert decay_start(c) == 88 and f(0) == pytest.approx(0.1)
+    assert all(f(s) == 1.0 for s in range(9, 89))  # stable to the cooldown's first step
+    assert f(99) == pytest.approx(0.1 + 0.9 * mid) and f(110) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+    longer = lr_lambda(TrainConfig(max_steps=220, warmup_steps=10, schedule="wsd", cooldown_shape=shape,
+                                   min_lr_ratio=0.1))
+    assert [longer(s) for s in range(88)] == [f(s) for s in range(88)]  # extend a run from its stable phase
+    assert decay_start(TrainConfig(max_steps=20, warmup_steps=19, schedule="wsd")) == 19  # never in the warm-up
+
+
+def test_cooldown_fraction_is_validated():
+    with pytest.raises(ValueError, match="train.cooldown_fraction"):
+        TrainConfig(schedule="wsd", cooldown_fraction=0.0)

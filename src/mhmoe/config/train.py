@@ -7,7 +7,8 @@ from typing import Literal, get_args
 
 from mhmoe.config.fields import INT64, check, check_types
 
-Schedule = Literal["linear", "cosine", "constant"]
+Schedule = Literal["linear", "cosine", "constant", "wsd"]
+CooldownShape = Literal["1-sqrt", "linear", "cosine"]  # train.cooldown_shape: how wsd's lr falls in its cooldown
 DType = Literal["float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Parallel = Literal["auto", "none", "ddp", "fsdp"]
@@ -32,7 +33,13 @@ class TrainConfig:
     lr: float = 5e-4
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
     warmup_steps: int = 100
-    schedule: Schedule = "linear"  # linear | cosine | constant (after warm-up)
+    # after warm-up: linear | cosine decay to lr * min_lr_ratio at max_steps | constant | wsd (warm-up, stable,
+    # decay: the lr stays at its peak until the last cooldown_fraction of max_steps, then falls to lr * min_lr_ratio
+    # in the cooldown_shape; a run resumed from a checkpoint of its stable phase with a larger --max-steps moves
+    # the cooldown to its new end. Hagele et al. 2024, arXiv:2405.18392: 1-sqrt over the last 20% matches cosine)
+    schedule: Schedule = "linear"
+    cooldown_fraction: float = 0.2  # wsd: the share of max_steps at the end in which the lr decays
+    cooldown_shape: CooldownShape = "1-sqrt"  # wsd: 1-sqrt (1 - sqrt(t)) | linear (1 - t) | cosine, t from 0 to 1
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
@@ -86,6 +93,8 @@ class TrainConfig:
               "float32 | bfloat16 with train.parallel=fsdp (float16 loss scaling runs with ddp or one process)")
         check(self.lr > 0, "train.lr", self.lr, "a float > 0")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "0..1")
+        check(0 < self.cooldown_fraction <= 1, "train.cooldown_fraction", self.cooldown_fraction,
+              "a float in (0, 1] (wsd: the share of max_steps at the end in which the lr decays)")
         for name in ("beta1", "beta2"):
             check(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name), "a float in [0, 1)")
         check(self.lr_stage2_ratio > 0, "train.lr_stage2_ratio", self.lr_stage2_ratio, "a float > 0 (1.0 = off)")

@@ -1,6 +1,6 @@
-"""Optimizer and schedules: AdamW with decayed and undecayed groups, linear warm-up then
-linear/cosine/constant decay, and the two-stage (BitNet) lr and weight-decay schedule. All schedules
-are pure functions of the optimizer step, so a resumed run applies exactly what an uninterrupted one would."""
+"""Optimizer and schedules: AdamW with decayed and undecayed groups, linear warm-up then linear/cosine/constant
+decay or warm-up-stable-decay (wsd), and the two-stage (BitNet) lr and weight-decay schedule. All schedules are pure
+functions of the optimizer step, so a resumed run applies exactly what an uninterrupted one would."""
 
 from __future__ import annotations
 
@@ -18,17 +18,37 @@ def in_stage2(cfg: TrainConfig, step: int) -> bool:
     return step >= cfg.max_steps // 2
 
 
+def decay_start(cfg: TrainConfig) -> int:
+    """The first optimizer step (0-based) of the decay: right after warm-up, or for ``wsd`` the first step of the
+    cooldown, the last ``cooldown_fraction`` of ``max_steps`` (never inside the warm-up)."""
+    if cfg.schedule != "wsd":
+        return cfg.warmup_steps
+    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.cooldown_fraction * cfg.max_steps))
+
+
+def _decay(shape: str, t: float) -> float:
+    """From 1 at t = 0 to 0 at t = 1."""
+    if shape == "linear":
+        return 1 - t
+    if shape == "1-sqrt":
+        return 1 - math.sqrt(t)
+    return 0.5 * (1 + math.cos(math.pi * t))
+
+
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of the peak lr at optimizer step s: linear warm-up, then linear/cosine decay;
-    times ``lr_stage2_ratio`` from the halfway point (two-stage schedule, 1.0 = off)."""
+    """Multiplier of the peak lr at optimizer step s: linear warm-up, then linear/cosine decay, constant, or
+    (``wsd``) constant until :func:`decay_start` and the ``cooldown_shape`` after it; times ``lr_stage2_ratio``
+    from the halfway point (two-stage schedule, 1.0 = off)."""
+    start = decay_start(cfg)
+    shape = cfg.cooldown_shape if cfg.schedule == "wsd" else cfg.schedule
+
     def base(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
+        if cfg.schedule == "constant" or step < start:
             return 1.0
-        t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-        decay = 1 - t if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * t))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+        t = min(1.0, (step - start) / max(1, cfg.max_steps - start))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * _decay(shape, t)
 
     def f(step: int) -> float:
         return base(step) * (cfg.lr_stage2_ratio if in_stage2(cfg, step) else 1.0)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mhmoe.train.optim import decay_start
+
 RATE_WINDOW = 20  # steps over which the bar's tokens/s is measured
 PINNED_SLOTS = 8  # CUDA: losses in flight to the host at most (further ones are not shown)
 
@@ -171,7 +173,8 @@ def run_header(run: Any, run_dir: Any, params: int, flops_per_token: float, data
         f"  train   {t.max_steps:,} steps x {tokens:,} tokens (batch {t.batch_size} x seq {t.seq_len}"
         f"{f' x accum {t.grad_accum}' if t.grad_accum > 1 else ''}{ranks}) = {_count(t.max_steps * tokens)} tokens"
         + (f", {todo:,} to go" if start_step else "")
-        + f"; lr {t.lr:g} {t.schedule}, warm-up {t.warmup_steps}",
+        + f"; lr {t.lr:g} {t.schedule}, warm-up {t.warmup_steps}"
+        + (f", {t.cooldown_shape} cooldown from step {decay_start(t) + 1:,}" if t.schedule == "wsd" else ""),
         f"  eval    {sets}, <= {t.eval_batches} batches per validation set; checkpoints every "
         f"{t.ckpt_every or t.max_steps} steps (keep {t.keep_last})",
         f"  device  {device_text(device, t.dtype)}"
