@@ -174,17 +174,25 @@ RESUME_HELP = ("continue the run in --out from its newest valid checkpoint, with
                "Without --resume, an --out that holds checkpoints is refused")
 
 
+BRANCH_HELP = ("continue another run from one of its checkpoints (a checkpoint directory, or a run directory: its "
+               "newest valid one) into the new or empty --out, leaving that run as it is: its weights, optimizer, "
+               "schedule, RNG and data position, its config with the launch fields --resume takes and the schedule's "
+               "shape (train.schedule, min_lr_ratio, cooldown_fraction, cooldown_shape: e.g. a wsd cooldown) from "
+               "this command; the branch point is saved into --out first (default: none)")
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser("train",
                        description="Train a model; writes OUT/config.yaml, metrics.jsonl, eval.jsonl, curves.png, "
                        "results.json and checkpoints/step_N/ (README: 'Run directories').")
-    src = p.add_mutually_exclusive_group()
+    src = p.add_mutually_exclusive_group()  # what the run is: a preset, a config, or another run's checkpoint
     src.add_argument("--preset", help=f"preset name (list: `mhmoe presets`; default: {DEFAULT_PRESET})")
     src.add_argument("--config", metavar="YAML", help="a YAML run config (as printed by `mhmoe presets --show NAME`) "
                      "instead of --preset (default: none, the preset)")
     p.add_argument("--out", required=True, metavar="RUN", help="run directory (created if missing)")
     add_run_flags(p)
     p.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    src.add_argument("--branch-from", metavar="RUN_OR_CKPT", help=BRANCH_HELP)
     p.add_argument("--parallel", choices=["auto", "none", "ddp", "fsdp"], help="under torchrun: data parallelism "
                    "(auto = ddp when WORLD_SIZE > 1; docs/DISTRIBUTED.md); = train.parallel "
                    + preset_default(("tiny-mh3",), "train.parallel"))
@@ -196,8 +204,33 @@ def _add_train(sub) -> None:
     p.set_defaults(func=_run_train)
 
 
+def _branch_source(args: argparse.Namespace):
+    """``--branch-from``: (the checkpoint to continue, its run config with this command's flags and ``--set``, the
+    fields the new run takes from them); a flag or ``--set`` for any other field is refused in one line."""
+    from mhmoe.train.resume import BRANCH_FIELDS, load_latest_for_resume
+
+    if args.resume:
+        raise ConfigError("--resume", True, "left out with --branch-from (the new run starts from the branch point; "
+                          "--resume it later)")
+    ck = load_latest_for_resume(args.branch_from)
+    run = ck.run.with_overrides(flag_overrides(args)) if flag_overrides(args) else ck.run
+    fields = (*_launch_fields(args), *BRANCH_FIELDS)
+    taken = {f"train.{k}" for k in fields} | {"data.cache_dir"}
+    saved, wanted = _flat(ck.run.to_dict()), _flat(run.to_dict())
+    for key in (s.split("=", 1)[0].strip() for s in flag_overrides(args)):
+        if key not in taken and key in wanted and wanted[key] != saved.get(key):
+            raise ConfigError(key, wanted[key], f"the branched run's own value {saved.get(key)!r}: a branch continues "
+                              f"its optimizer and data stream (only {', '.join(sorted(taken))} come from this "
+                              "command)")
+    return ck, run, fields
+
+
 def _run_train(args) -> int:
-    run = _load_run(args)  # config errors before the (slow) torch.distributed import
+    branch, fields = None, _launch_fields(args)
+    if args.branch_from:
+        branch, run, fields = _branch_source(args)
+    else:
+        run = _load_run(args)  # config errors before the (slow) torch.distributed import
     import torch
 
     from mhmoe.checkpoint.layout import RESULTS_FILE
@@ -209,8 +242,8 @@ def _run_train(args) -> int:
     refuse_unhonoured_resume_overrides(args, run, _launch_fields(args))
     warn_slow_bf16(run.train.device, run.train.dtype)
     try:
-        res = train(run, args.out, resume=args.resume, progress=not args.no_progress,
-                    launch_fields=_launch_fields(args))
+        res = train(run, args.out, resume=args.resume, progress=not args.no_progress, launch_fields=fields,
+                    branch_from=branch)
     except torch.cuda.OutOfMemoryError:  # = torch.OutOfMemoryError (any device) in recent torch
         raise  # one line, exit 2 (mhmoe.cli.main)
     except TrainingStopped as exc:  # too many non-finite steps (other RuntimeErrors: mhmoe.cli.main)

@@ -91,12 +91,18 @@ class Distributed(SingleProcess):
 
 
 def train_parallel(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
-                   stop_after: int | None = None, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> TrainResult:
+                   stop_after: int | None = None, launch_fields: tuple[str, ...] = LAUNCH_FIELDS,
+                   branch_from: Checkpoint | None = None) -> TrainResult:
     """:func:`mhmoe.train.train` on every rank of a torchrun job (``train.parallel`` ddp | fsdp | auto,
-    ``train.ep``); a run whose mode resolves to ``none`` trains in this process alone."""
+    ``train.ep``); a run whose mode resolves to ``none`` trains in this process alone (the only one that
+    branches: ``branch_from``)."""
     mode = parallel_mode(run.train)
     if mode == "none":
-        return train(run, run_dir, resume, progress, stop_after, launch_fields=launch_fields)
+        return train(run, run_dir, resume, progress, stop_after, launch_fields=launch_fields, branch_from=branch_from)
+    if branch_from is not None:
+        raise ConfigError("--branch-from", str(branch_from.path), "a single-process training (branch in one process "
+                          "with --max-steps at the branch step, which only writes the new run's first checkpoint, then "
+                          "--resume the new run under torchrun)")
     owns_pg = not dist.is_initialized()
     env = init_distributed(run.train.device, run.train.ep)
     lost = False

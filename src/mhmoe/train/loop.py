@@ -108,9 +108,11 @@ MAX_SCALE_SKIPS = 50
 
 def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, parallelism: SingleProcess | None = None,
-          launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> TrainResult:
+          launch_fields: tuple[str, ...] = LAUNCH_FIELDS, branch_from: Checkpoint | None = None) -> TrainResult:
     """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint (the run's
     own config, except ``launch_fields`` of ``train`` and :data:`LAUNCH_DATA_FIELDS`, taken from ``run``).
+    ``branch_from`` (a checkpoint of another run, :func:`~mhmoe.train.resume.load_for_resume`): continue that
+    run from that checkpoint, as a resume would, into the new or empty ``run_dir`` (its config.yaml is written).
 
     ``stop_after`` ends the loop after that optimizer step (saving a checkpoint), as an interruption
     would -- used to test exact resume. ``parallelism``: how the run is spread over processes (default:
@@ -127,7 +129,7 @@ def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: b
         raise ConfigError("--out", str(run_dir), "an existing run directory with --resume (it does not exist; "
                                                  "drop --resume to start a new run)")
     with RunDirLock(run_dir, enabled=parallelism.is_rank0):
-        return Trainer(run, run_dir, resume, progress, stop_after, parallelism, launch_fields).run()
+        return Trainer(run, run_dir, resume, progress, stop_after, parallelism, launch_fields, branch_from).run()
 
 
 def check_single_process(run: RunConfig) -> None:
@@ -161,8 +163,9 @@ class Trainer:
     """One training run. Built by :func:`train`; every method is one named piece of the loop."""
 
     def __init__(self, run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
-                 parallelism: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS) -> None:
-        self.run_dir, self.parallelism, self.stop_after = run_dir, parallelism, stop_after
+                 parallelism: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS,
+                 branch_from: Checkpoint | None = None) -> None:
+        self.run_dir, self.parallelism, self.stop_after, self.branch = run_dir, parallelism, stop_after, branch_from
         par = parallelism
         if par.is_rank0:
             check_run_paths(run_dir)  # a FIFO, a device, a file for checkpoints/: one line now, not at the first save
@@ -196,7 +199,8 @@ class Trainer:
                            par.device, self.progress, desc=self.run_config.name)
         self.nan_run = self.scale_run = 0  # non-finite losses / float16 overflows in a row
         self.nan_at_start = self.state.nan_total
-        self.saved_step = self.start if self.ckpt else None  # the step of the newest checkpoint on disk
+        # the step of the newest checkpoint on disk (a branch's run directory has none until run() saves one)
+        self.saved_step = self.start if self.ckpt and self.branch is None else None
         self.stop = StopRequests(enabled=False)  # replaced by run(): signals deferred to step boundaries
         self.pending: list[StepResult] = []  # steps whose finiteness the host has not read yet
         self.window = (time.perf_counter(), self.state.tokens_seen)  # (time, tokens) at the last log
@@ -204,6 +208,8 @@ class Trainer:
     # ---- setup --------------------------------------------------------------------------------
     def _open_resume(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> Checkpoint | None:
         has_ckpt = bool(list_checkpoints(self.run_dir))
+        if self.branch is not None:
+            return self._open_branch(has_ckpt, launch_fields)
         if has_ckpt and not resume:
             raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
                                                           "continue)")
@@ -221,6 +227,19 @@ class Trainer:
             print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
                   f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
         return ckpt
+
+    def _open_branch(self, has_ckpt: bool, launch_fields: tuple[str, ...]) -> Checkpoint:
+        """The checkpoint a branch continues from, into a run directory that holds no run yet."""
+        held = "checkpoints" if has_ckpt else next((n for n in RUN_LOGS if os.path.lexists(self.run_dir / n)), None)
+        if held:
+            raise ConfigError("--out", str(self.run_dir), f"a new directory for --branch-from (it holds {held} of "
+                                                          "another run)")
+        assert self.branch is not None
+        if self.parallelism.is_rank0:
+            print(f"mhmoe: branching from step {self.branch.step}, checkpoint {self.branch.path}, with its run's "
+                  f"config (only {', '.join(launch_fields)} and data.cache_dir are taken from this command)",
+                  file=sys.stderr)
+        return self.branch
 
     def _start_config(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> RunConfig:
         """The config a run without checkpoint starts from step 0: ``run``, except on a resume of a run
@@ -268,9 +287,11 @@ class Trainer:
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:
-        """``RUN/config.yaml``, written when a run starts (never by a resume: what the run is never changes)."""
+        """``RUN/config.yaml``, written when a run starts or branches (never by a resume: what a run is never
+        changes)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.parallelism.is_rank0 and self.ckpt is None and not self.from_config_file:
+        new_run = self.ckpt is None or self.branch is not None
+        if self.parallelism.is_rank0 and new_run and not self.from_config_file:
             atomic_write(self.run_dir / CONFIG_FILE, self.run_config.to_yaml(), root=self.run_dir)
 
     def _restore(self) -> Progress:
@@ -279,6 +300,12 @@ class Trainer:
             return Progress()
         st = self.parallelism.restore(self.ckpt, self.model, self.optimizer)
         self.scheduler.load_state_dict(st["scheduler"])
+        # the next step's lr from this run's schedule (a resume with another --max-steps, a branch with another
+        # schedule): the optimizer state holds the lr the checkpoint's schedule set; unchanged, the same number
+        f = lr_lambda(self.train_config)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * f(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         torch.set_rng_state(st["rng_cpu"])
         if self.parallelism.device.type == "cuda" and "rng_cuda" in st:
             torch.cuda.set_rng_state(st["rng_cuda"])
@@ -412,6 +439,8 @@ class Trainer:
         process (:meth:`stop_if_requested`)."""
         with StopRequests(enabled=self.parallelism.saves_alone) as self.stop:
             try:
+                if self.branch is not None:  # the branch point first: the new run resumes on its own from here on
+                    self.save()
                 self._loop()
                 res = self.finish()
             finally:

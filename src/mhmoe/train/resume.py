@@ -28,6 +28,10 @@ from mhmoe.train.optim import build_optimizer
 #: taken from the command on --resume (properties of this launch and machine, not of the run); the CLI
 #: leaves max_steps out unless --max-steps (or --set train.max_steps) is given, so the run keeps its schedule
 LAUNCH_FIELDS = ("max_steps", "threads", "parallel", "ep", "activation_checkpointing")
+#: what a branch (``mhmoe train --branch-from``) may change besides the launch fields: the learning-rate schedule's
+#: shape from the branch point on (a wsd cooldown branched from the stable phase), never what the optimizer state,
+#: the data order or the model depend on
+BRANCH_FIELDS = ("schedule", "min_lr_ratio", "cooldown_fraction", "cooldown_shape")
 # where this machine caches tokens or keeps a data bundle: never a checkpoint's choice
 LAUNCH_DATA_FIELDS = ("cache_dir", "bundle")
 
