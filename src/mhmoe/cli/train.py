@@ -205,14 +205,16 @@ def _add_train(sub) -> None:
 
 
 def _branch_source(args: argparse.Namespace):
-    """``--branch-from``: (the checkpoint to continue, its run config with this command's flags and ``--set``, the
-    fields the new run takes from them); a flag or ``--set`` for any other field is refused in one line."""
-    from mhmoe.train.resume import BRANCH_FIELDS, load_latest_for_resume
+    """``--branch-from``: (the checkpoint directory to continue, its run config with this command's flags and
+    ``--set``, the fields the new run takes from them); a flag or ``--set`` for any other field is refused in one
+    line. The checkpoint is the newest valid one of a run directory (read here; the trainer loads it to resume)."""
+    from mhmoe.loading.checkpoint import load_latest
+    from mhmoe.train.resume import BRANCH_FIELDS
 
     if args.resume:
         raise ConfigError("--resume", True, "left out with --branch-from (the new run starts from the branch point; "
                           "--resume it later)")
-    ck = load_latest_for_resume(args.branch_from)
+    ck = load_latest(args.branch_from, "cpu")
     run = ck.run.with_overrides(flag_overrides(args)) if flag_overrides(args) else ck.run
     fields = (*_launch_fields(args), *BRANCH_FIELDS)
     taken = {f"train.{k}" for k in fields} | {"data.cache_dir"}
@@ -222,7 +224,7 @@ def _branch_source(args: argparse.Namespace):
             raise ConfigError(key, wanted[key], f"the branched run's own value {saved.get(key)!r}: a branch continues "
                               f"its optimizer and data stream (only {', '.join(sorted(taken))} come from this "
                               "command)")
-    return ck, run, fields
+    return ck.path, run, fields
 
 
 def _run_train(args) -> int:

@@ -92,7 +92,7 @@ class Distributed(SingleProcess):
 
 def train_parallel(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
                    stop_after: int | None = None, launch_fields: tuple[str, ...] = LAUNCH_FIELDS,
-                   branch_from: Checkpoint | None = None) -> TrainResult:
+                   branch_from: str | Path | None = None) -> TrainResult:
     """:func:`mhmoe.train.train` on every rank of a torchrun job (``train.parallel`` ddp | fsdp | auto,
     ``train.ep``); a run whose mode resolves to ``none`` trains in this process alone (the only one that
     branches: ``branch_from``)."""
@@ -100,7 +100,7 @@ def train_parallel(run: RunConfig, run_dir: str | Path, resume: bool = False, pr
     if mode == "none":
         return train(run, run_dir, resume, progress, stop_after, launch_fields=launch_fields, branch_from=branch_from)
     if branch_from is not None:
-        raise ConfigError("--branch-from", str(branch_from.path), "a single-process training (branch in one process "
+        raise ConfigError("--branch-from", str(branch_from), "a single-process training (branch in one process "
                           "with --max-steps at the branch step, which only writes the new run's first checkpoint, then "
                           "--resume the new run under torchrun)")
     owns_pg = not dist.is_initialized()

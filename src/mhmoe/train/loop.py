@@ -108,11 +108,11 @@ MAX_SCALE_SKIPS = 50
 
 def train(run: RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, parallelism: SingleProcess | None = None,
-          launch_fields: tuple[str, ...] = LAUNCH_FIELDS, branch_from: Checkpoint | None = None) -> TrainResult:
+          launch_fields: tuple[str, ...] = LAUNCH_FIELDS, branch_from: str | Path | None = None) -> TrainResult:
     """Train ``run`` into ``run_dir``; ``resume`` continues from its newest valid checkpoint (the run's
     own config, except ``launch_fields`` of ``train`` and :data:`LAUNCH_DATA_FIELDS`, taken from ``run``).
-    ``branch_from`` (a checkpoint of another run, :func:`~mhmoe.train.resume.load_for_resume`): continue that
-    run from that checkpoint, as a resume would, into the new or empty ``run_dir`` (its config.yaml is written).
+    ``branch_from`` (a checkpoint directory of another run): continue that run from that checkpoint, as a resume
+    would, into the new or empty ``run_dir`` (its config.yaml is written, the branch point saved first).
 
     ``stop_after`` ends the loop after that optimizer step (saving a checkpoint), as an interruption
     would -- used to test exact resume. ``parallelism``: how the run is spread over processes (default:
@@ -164,7 +164,7 @@ class Trainer:
 
     def __init__(self, run: RunConfig, run_dir: Path, resume: bool, progress: bool, stop_after: int | None,
                  parallelism: SingleProcess, launch_fields: tuple[str, ...] = LAUNCH_FIELDS,
-                 branch_from: Checkpoint | None = None) -> None:
+                 branch_from: str | Path | None = None) -> None:
         self.run_dir, self.parallelism, self.stop_after, self.branch = run_dir, parallelism, stop_after, branch_from
         par = parallelism
         if par.is_rank0:
@@ -235,11 +235,11 @@ class Trainer:
             raise ConfigError("--out", str(self.run_dir), f"a new directory for --branch-from (it holds {held} of "
                                                           "another run)")
         assert self.branch is not None
+        ckpt = self.parallelism.load_checkpoint(Path(self.branch))
         if self.parallelism.is_rank0:
-            print(f"mhmoe: branching from step {self.branch.step}, checkpoint {self.branch.path}, with its run's "
-                  f"config (only {', '.join(launch_fields)} and data.cache_dir are taken from this command)",
-                  file=sys.stderr)
-        return self.branch
+            print(f"mhmoe: branching from step {ckpt.step}, checkpoint {ckpt.path}, with its run's config (only "
+                  f"{', '.join(launch_fields)} and data.cache_dir are taken from this command)", file=sys.stderr)
+        return ckpt
 
     def _start_config(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> RunConfig:
         """The config a run without checkpoint starts from step 0: ``run``, except on a resume of a run
