@@ -68,7 +68,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> ModelFlops:
     """Analytic forward FLOPs per token of :class:`mhmoe.model.LM` on sequences of ``seq_len`` tokens.
     A training step (forward + backward) costs about 3x this."""
     d = cfg.d_model
-    attention = cfg.n_layers * (2 * d * 3 * d + 2 * d * d)
+    kv = 2 * cfg.kv_heads * (d // cfg.n_heads)  # key and value widths (2d without grouped-query attention)
+    attention = cfg.n_layers * (2 * d * (d + kv) + 2 * d * d)
     scores = cfg.n_layers * 2 * 2 * seq_len * d
     n_moe = sum(cfg.is_moe_block(i) for i in range(cfg.n_layers))
     dense = (cfg.n_layers - n_moe) * _ffn(d, cfg.d_ff, "swiglu")

@@ -31,6 +31,10 @@ class ModelConfig:
     d_model: int = 768
     n_layers: int = 12
     n_heads: int = 12
+    # key/value heads: 0 = n_heads (multi-head attention); fewer = grouped-query attention (Ainslie et al. 2023,
+    # arXiv:2305.13245; 1 = multi-query): query head i reads key/value head i // (n_heads / n_kv_heads), and the
+    # KV cache holds n_kv_heads heads. A divisor of n_heads
+    n_kv_heads: int = 0
     d_ff: int = 2048  # dense SwiGLU width of the non-MoE blocks
     moe_every: int = 2  # block i has the MoE FFN when (i + 1) % moe_every == 0 (v2 paper: 2)
     max_seq_len: int = 1024
@@ -55,6 +59,9 @@ class ModelConfig:
             check(isinstance(v, int) and v >= (0 if name == "vocab_size" else 1), name, v, "a positive integer")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ConfigError("n_heads", self.n_heads, f"a divisor of d_model={self.d_model} giving an even head dim")
+        check(isinstance(self.n_kv_heads, int) and self.n_kv_heads >= 0 and
+              (self.n_kv_heads == 0 or self.n_heads % self.n_kv_heads == 0), "n_kv_heads", self.n_kv_heads,
+              f"0 (= n_heads) or a divisor of n_heads={self.n_heads}")
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
         check(self.norm_eps > 0, "norm_eps", self.norm_eps, "a float > 0 (RMSNorm epsilon)")
         check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
@@ -64,6 +71,11 @@ class ModelConfig:
         self.moe.check_d_model(self.d_model, "d_model")
         for name, value, allowed in self.moe.noncausal_fields() if self.arch == "decoder" else ():
             raise ConfigError(f"model.moe.{name}", value, allowed)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``n_kv_heads``, 0 = ``n_heads``)."""
+        return self.n_kv_heads or self.n_heads
 
     def is_moe_block(self, i: int) -> bool:
         return self.moe.kind != "dense" and (i + 1) % self.moe_every == 0

@@ -1,8 +1,9 @@
 """Decoder-only MH-MoE language model, readable top to bottom.
 
-Shape legend: B batch, T time, D model dim (d_model), NH attention heads, HD = D / NH head dim,
-V vocabulary. The FFN of every ``moe_every``-th block is the layer ``ModelConfig.moe`` describes
-(dense, SMoE or MH-MoE, see :mod:`mhmoe.moe`); the others are dense SwiGLU FFNs of width ``d_ff``.
+Shape legend: B batch, T time, D model dim (d_model), NH attention heads, KV key/value heads (n_kv_heads;
+= NH without grouped-query attention), HD = D / NH head dim, V vocabulary. The FFN of every ``moe_every``-th
+block is the layer ``ModelConfig.moe`` describes (dense, SMoE or MH-MoE, see :mod:`mhmoe.moe`); the others are
+dense SwiGLU FFNs of width ``d_ff``.
 
     x = embed(idx)                                   [B, T, D]
     for block: x = x + attn(rmsnorm(x))              causal SDPA with RoPE
@@ -77,7 +78,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Per-layer key/value cache for incremental decoding: k, v [B, NH, T_cached, HD]."""
+    """Per-layer key/value cache for incremental decoding: k, v [B, KV, T_cached, HD]."""
 
     def __init__(self, n_layers: int) -> None:
         self.k: list[Tensor | None] = [None] * n_layers
@@ -102,16 +103,17 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with RoPE: causal (the decoder; KV cache for decoding) or bidirectional
-    (the encoder: every query attends to every key that is not padding)."""
+    """Multi-head (or grouped-query) self-attention with RoPE: causal (the decoder; KV cache for decoding) or
+    bidirectional (the encoder: every query attends to every key that is not padding). ``qkv`` maps D to the
+    queries, keys and values, in that order: [D + 2 KV HD, D]."""
 
     def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
         super().__init__()
         self.causal = causal
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.d_model // cfg.n_heads
         quantized = cfg.quant != "none"
         linear = BitLinear if quantized else nn.Linear
-        self.qkv = linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.qkv = linear(cfg.d_model, cfg.d_model + 2 * self.n_kv * self.head_dim, bias=False)
         self.proj = linear(cfg.d_model, cfg.d_model, bias=False)
         # bitnet158: sub-norm before the output projection (the released BitNet models' scheme); the
         # qkv input is already normalised by the block's pre-norm
@@ -122,20 +124,25 @@ class Attention(nn.Module):
         """x [B, T, D]; cos/sin [T, HD/2]; key_mask [B, T_past + T] bool (False = padding key, never
         attended to); ``cache`` (causal only) holds the keys and values of earlier positions."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.n_kv == self.n_heads:
+            q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:  # grouped-query attention: q [B, NH, T, HD], k and v [B, KV, T, HD]
+            q, k, v = self.qkv(x).split([D, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
+            q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_kv != self.n_heads  # SDPA pairs query head i with key/value head i // (NH / KV)
         if not self.causal:
             mask = None if key_mask is None else key_mask[:, None, None, :].bool()  # [B, 1, 1, T]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
-            y = self._causal(q, k, v, cache, layer, key_mask)
+            y = self._causal(q, k, v, cache, layer, key_mask, gqa)
         y = y.transpose(1, 2).reshape(B, T, D)
         return self.proj(y if self.sub_norm is None else self.sub_norm(y))
 
     @staticmethod
     def _causal(q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, layer: int,
-                key_mask: Tensor | None) -> Tensor:
-        """q/k/v [B, NH, T, HD] -> [B, NH, T, HD]: each query sees its own and earlier positions."""
+                key_mask: Tensor | None, gqa: bool = False) -> Tensor:
+        """q [B, NH, T, HD], k/v [B, KV, T, HD] -> [B, NH, T, HD]: each query sees its own and earlier positions."""
         T, past = q.shape[2], 0
         if cache is not None:
             past = cache.layer_length(layer)
@@ -147,8 +154,8 @@ class Attention(nn.Module):
                 diag = torch.zeros(T, S, dtype=torch.bool, device=q.device)
                 diag[:, S - T:] = torch.eye(T, dtype=torch.bool, device=q.device)
                 mask = (mask & key_mask[:, None, None, :].bool()) | diag
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1 and not past, enable_gqa=gqa)
 
 
 class Block(Recomputable):

@@ -160,7 +160,8 @@ def config_json(cfg: ModelConfig, eos_id: int | None) -> dict[str, Any]:
     """``config.json``: our ModelConfig under ``mhmoe`` plus the transformers names other tools read."""
     return {"architectures": ["MHMoEForCausalLM"], "model_type": "mhmoe", "mhmoe": cfg.to_dict(),
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "max_position_embeddings": cfg.max_seq_len,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+            "max_position_embeddings": cfg.max_seq_len,
             "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
             "pad_token_id": eos_id}
 

@@ -40,7 +40,8 @@ BOOKKEEPING = {"log_every", "eval_every", "eval_batches", "ckpt_every", "keep_la
 IGNORED = ("name", "model.vocab_size")
 #: fields added to the config after run records were first written, with the value every older run had: left out
 #: of the identity at that value, so that the keys and records of older runs stay valid
-ADDED_FIELDS = {"model.moe.router_dtype": "float32", "train.cooldown_fraction": 0.2, "train.cooldown_shape": "1-sqrt"}
+ADDED_FIELDS = {"model.moe.router_dtype": "float32", "train.cooldown_fraction": 0.2, "train.cooldown_shape": "1-sqrt",
+                "model.n_kv_heads": 0}
 RECORD_FORMAT = 1
 TRAIN_CURVE_POINTS = 400  # the record keeps at most this many training-loss points
 

@@ -167,7 +167,8 @@ def run_header(run: Any, run_dir: Any, params: int, flops_per_token: float, data
     ranks = f" x {world_size} ranks" if world_size > 1 else ""
     lines = [
         f"mhmoe train: {run.name} -> {run_dir}" + (f" (resumed at step {start_step})" if start_step else ""),
-        f"  model   {m.arch}, d={m.d_model} L={m.n_layers} heads={m.n_heads}; FFN {_ffn(run)}",
+        f"  model   {m.arch}, d={m.d_model} L={m.n_layers} heads={m.n_heads}"
+        + (f" (kv {m.kv_heads})" if m.kv_heads != m.n_heads else "") + f"; FFN {_ffn(run)}",
         f"          {params:,} parameters, {_count(flops_per_token)} forward FLOPs/token",
         f"  data    {data}",
         f"  train   {t.max_steps:,} steps x {tokens:,} tokens (batch {t.batch_size} x seq {t.seq_len}"

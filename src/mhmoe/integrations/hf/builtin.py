@@ -70,7 +70,7 @@ def builtin_config(cfg: ModelConfig, eos_token_id: int) -> Any:
     arch = builtin_arch(cfg)
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0,
         bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, torch_dtype="float32")
@@ -116,20 +116,21 @@ def builtin_state_dict(lm: LM) -> dict[str, Tensor]:
     """``lm``'s weights under the hub names of :func:`builtin_arch`'s architecture (fp32, contiguous, no
     shared storage; the LM head left out when it is tied to the embedding, as transformers saves it)."""
     cfg, arch = lm.cfg, builtin_arch(lm.cfg)
-    D = cfg.d_model
+    D, KVD = cfg.d_model, cfg.kv_heads * (cfg.d_model // cfg.n_heads)
     sd: dict[str, Tensor] = {"model.embed_tokens.weight": lm.embed.weight.clone(),
                              "model.norm.weight": lm.norm.weight.clone()}
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = lm.lm_head.weight.clone()
     for i, block in enumerate(lm.blocks):
         p = f"model.layers.{i}"
-        q, k, v = block.attn.qkv.weight.split(D)  # [3D, D]: rows q | k | v, heads in order within each
+        q, k, v = block.attn.qkv.weight.split([D, KVD, KVD])  # rows q | k | v, heads in order within each
         sd.update({f"{p}.input_layernorm.weight": block.attn_norm.weight.clone(),
                    f"{p}.post_attention_layernorm.weight": block.ffn_norm.weight.clone(),
                    f"{p}.self_attn.q_proj.weight": q.clone(), f"{p}.self_attn.k_proj.weight": k.clone(),
                    f"{p}.self_attn.v_proj.weight": v.clone(),
                    f"{p}.self_attn.o_proj.weight": block.attn.proj.weight.clone()})
         if arch == "qwen2_moe":
-            sd.update({f"{p}.self_attn.{n}_proj.bias": q.new_zeros(D) for n in "qkv"})
+            widths = {"q": D, "k": KVD, "v": KVD}
+            sd.update({f"{p}.self_attn.{n}_proj.bias": q.new_zeros(w) for n, w in widths.items()})
         sd.update(_ffn_weights(block, f"{p}.mlp"))
     return {k: v.detach().float().contiguous() for k, v in sd.items()}

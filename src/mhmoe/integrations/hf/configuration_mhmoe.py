@@ -26,13 +26,14 @@ class MHMoEConfig(PretrainedConfig):
                                                                            n_heads=2, d_ff=128, max_seq_len=128)
         self.mhmoe = cfg.to_dict()
         # read-only mirrors of the nested config under the names other tools look for
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "max_position_embeddings", "tie_word_embeddings"):
             kwargs.pop(key, None)
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.d_model
         self.num_hidden_layers = cfg.n_layers
         self.num_attention_heads = cfg.n_heads
+        self.num_key_value_heads = cfg.kv_heads
         self.max_position_embeddings = cfg.max_seq_len
         eos = kwargs.pop("eos_token_id", None)
         kwargs.setdefault("bos_token_id", eos)

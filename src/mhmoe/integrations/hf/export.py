@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mhmoe.checkpoint.layout import HF_TOKENIZER_DIR
+from mhmoe.checkpoint.layout import HF_TOKENIZER_DIR, WEIGHTS_FILE
 from mhmoe.errors import CheckpointError
 from mhmoe.integrations.hf.builtin import builtin_arch, builtin_config, builtin_state_dict
 from mhmoe.integrations.hf.modeling_mhmoe import MHMoEForCausalLM
@@ -148,7 +148,7 @@ def _write_builtin(tmp: Path, ck: Checkpoint, lm: LM) -> tuple[float, int, bool]
     config.architectures = [BUILTIN_CLASSES[config.model_type]]
     with quiet_transformers():
         config.save_pretrained(tmp)
-    save_file(builtin_state_dict(lm), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(builtin_state_dict(lm), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     diff, steps, same = check_builtin(tmp, lm)
     with torch.no_grad(), native_loop_disabled():
         scale = float(lm(_check_inputs(lm)[0]).logits.abs().max())
