@@ -25,8 +25,8 @@ VARIANTS = {
     "dense": ("dense", {}, "LlamaForCausalLM"),
     "dense-untied-theta": ("dense", {"tie_embeddings": False, "rope_theta": 500.0}, "LlamaForCausalLM"),
     "dense-gqa": ("dense", {"n_kv_heads": 1}, "LlamaForCausalLM"),
-    "top1-raw-gate": ("smoe", {}, "Qwen2MoeForCausalLM"),
-    "top1-gqa": ("smoe", {"n_kv_heads": 1}, "Qwen2MoeForCausalLM"),  # Switch: the top-1 weight is the softmax probability
+    "top1-raw-gate": ("smoe", {}, "Qwen2MoeForCausalLM"),  # Switch: the top-1 weight is the softmax probability
+    "top1-gqa": ("smoe", {"n_kv_heads": 1}, "Qwen2MoeForCausalLM"),
     "top2-renormalised-every-2nd": (MoEConfig(n_experts=4, top_k=2, d_expert=16), {"moe_every": 2, "n_layers": 3},
                                     "Qwen2MoeForCausalLM"),
     "top2-raw-shared": (MoEConfig(n_experts=4, top_k=2, d_expert=16, renormalize=False, n_shared=2, d_shared=8),

@@ -37,7 +37,8 @@ def test_a_branch_with_the_runs_own_config_reproduces_its_continuation_and_leave
     step3 = list_checkpoints(a)[0]
     assert step3.name == "step_00000003"
     assert main(["train", "--branch-from", str(step3), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
-    assert "branching from step 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "branching from step 3" in err and "(branched at step 3)" in err
     assert _tree(a) == before  # the source run is read, never written
     b = tmp_path / "b"
     assert [c.name for c in list_checkpoints(b)] == ["step_00000003", "step_00000006"]  # the branch point first

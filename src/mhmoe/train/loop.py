@@ -283,7 +283,7 @@ class Trainer:
             return
         flops = model_flops_per_token(self.run_config.model, self.train_config.seq_len).total
         lines = run_header(self.run_config, self.run_dir, self.result.params, flops, self.objective.summary(),
-                           par.device, par.world_size, self.start)
+                           par.device, par.world_size, self.start, branched=self.branch is not None)
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _write_config(self) -> None:

@@ -158,15 +158,17 @@ def device_text(device: torch.device, dtype: str) -> str:
 
 
 def run_header(run: Any, run_dir: Any, params: int, flops_per_token: float, data: str, device: torch.device,
-               world_size: int = 1, start_step: int = 0) -> list[str]:
-    """The lines printed before the first step (see the module docstring)."""
+               world_size: int = 1, start_step: int = 0, branched: bool = False) -> list[str]:
+    """The lines printed before the first step (see the module docstring); ``branched``: the run continues another
+    run's checkpoint of ``start_step`` (``--branch-from``) rather than its own."""
     m, t = run.model, run.train
     tokens = t.tokens_per_step * world_size
     todo = max(0, t.max_steps - start_step)
     sets = "at the end" if not t.eval_every else f"every {t.eval_every} steps and at the end"
     ranks = f" x {world_size} ranks" if world_size > 1 else ""
     lines = [
-        f"mhmoe train: {run.name} -> {run_dir}" + (f" (resumed at step {start_step})" if start_step else ""),
+        f"mhmoe train: {run.name} -> {run_dir}"
+        + (f" ({'branched' if branched else 'resumed'} at step {start_step})" if start_step else ""),
         f"  model   {m.arch}, d={m.d_model} L={m.n_layers} heads={m.n_heads}"
         + (f" (kv {m.kv_heads})" if m.kv_heads != m.n_heads else "") + f"; FFN {_ffn(run)}",
         f"          {params:,} parameters, {_count(flops_per_token)} forward FLOPs/token",
