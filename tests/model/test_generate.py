@@ -208,3 +208,24 @@ def test_every_accepted_temperature_is_numerically_safe(temperature):
     logits = torch.tensor([[1.0, 3.0, float("-inf"), 3.0]])
     s = scaled_logits(logits, temperature)
     assert not s.isnan().any() and s.max() == 0 and s.softmax(-1).sum() == pytest.approx(1.0)
+
+
+def test_the_kv_cache_appends_in_place_and_grows_when_full():
+    """Positions are written into a buffer (no copy of the whole cache per step); a forward that needs more room
+    than ``capacity`` doubles it, keeping what was cached."""
+    from mhmoe.model.lm import KVCache
+
+    cache = KVCache(1, capacity=4)
+    chunks = [torch.randn(2, 3, t, 8) for t in (3, 1, 2, 5)]
+    seen = []
+    for c in chunks:
+        seen.append(c)
+        k, v = cache.update(0, c, -c)
+        assert torch.equal(k, torch.cat(seen, 2)) and torch.equal(v, -torch.cat(seen, 2))
+    assert cache.length == 11 and cache.k[0].shape == (2, 3, 11, 8)
+    assert cache._k[0].shape[2] == 16  # room for 4, then 8 (6 needed), then 16 (11 needed): doubled each time
+    buf = cache._k[0]
+    cache.update(0, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8))
+    assert cache._k[0] is buf and cache.length == 16  # positions 12-16 fit: written in place
+    cache.update(0, torch.randn(2, 3, 20, 8), torch.randn(2, 3, 20, 8))
+    assert cache._k[0].shape[2] == 36 and torch.equal(cache.k[0][:, :, :11], torch.cat(seen, 2))

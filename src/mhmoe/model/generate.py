@@ -58,7 +58,7 @@ def generate(model: LM, prompt: Tensor, max_new_tokens: int, temperature: float 
         raise ValueError(f"invalid prompt shape {tuple(prompt.shape)}: allowed [B, T] with T >= 1")
     new_tokens(model.cfg.max_seq_len, prompt.shape[1], max_new_tokens)
     model.eval()
-    cache = KVCache(model.cfg.n_layers)
+    cache = KVCache(model.cfg.n_layers, capacity=prompt.shape[1] + max_new_tokens)
     logits = model(prompt, cache=cache).logits[:, -1].float()
     out, done = [prompt], torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):

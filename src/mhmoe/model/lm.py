@@ -78,11 +78,24 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Per-layer key/value cache for incremental decoding: k, v [B, KV, T_cached, HD]."""
+    """Per-layer key/value cache for incremental decoding: the keys and values of every cached position,
+    ``k[layer]`` / ``v[layer]`` [B, KV, T_cached, HD]. They live in buffers with room for ``capacity`` positions
+    (grown by doubling when a forward needs more), so a decoding step writes its one new position instead of
+    copying the whole cache (a copy per layer and token that grows with the context)."""
 
-    def __init__(self, n_layers: int) -> None:
-        self.k: list[Tensor | None] = [None] * n_layers
-        self.v: list[Tensor | None] = [None] * n_layers
+    def __init__(self, n_layers: int, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self._k: list[Tensor | None] = [None] * n_layers
+        self._v: list[Tensor | None] = [None] * n_layers
+        self._len = [0] * n_layers
+
+    @property
+    def k(self) -> list[Tensor | None]:
+        return [None if b is None else b[:, :, :n] for b, n in zip(self._k, self._len, strict=True)]
+
+    @property
+    def v(self) -> list[Tensor | None]:
+        return [None if b is None else b[:, :, :n] for b, n in zip(self._v, self._len, strict=True)]
 
     @property
     def length(self) -> int:
@@ -90,16 +103,21 @@ class KVCache:
 
     def layer_length(self, layer: int) -> int:
         """Cached positions of ``layer`` (layers fill one after another within a forward)."""
-        k = self.k[layer]
-        return 0 if k is None else k.shape[2]
+        return self._len[layer]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        prev_k, prev_v = self.k[layer], self.v[layer]
-        if prev_k is not None and prev_v is not None:
-            k = torch.cat([prev_k, k], 2)
-            v = torch.cat([prev_v, v], 2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """Append k, v [B, KV, T, HD] to ``layer``'s cache; returns all its keys and values [B, KV, T_cached, HD]."""
+        n, end = self._len[layer], self._len[layer] + k.shape[2]
+        kb, vb = self._k[layer], self._v[layer]
+        if kb is None or vb is None or end > kb.shape[2]:
+            room = max(end, self.capacity, 2 * (0 if kb is None else kb.shape[2]))
+            grown = [t.new_empty(*t.shape[:2], room, t.shape[3]) for t in (k, v)]
+            if kb is not None and vb is not None:
+                grown[0][:, :, :n], grown[1][:, :, :n] = kb[:, :, :n], vb[:, :, :n]
+            kb, vb = self._k[layer], self._v[layer] = grown
+        kb[:, :, n:end], vb[:, :, n:end] = k, v
+        self._len[layer] = end
+        return kb[:, :, :end], vb[:, :, :end]
 
 
 class Attention(nn.Module):
