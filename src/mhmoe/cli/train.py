@@ -208,16 +208,21 @@ def _branch_source(args: argparse.Namespace):
     """``--branch-from``: (the checkpoint directory to continue, its run config with this command's flags and
     ``--set``, the fields the new run takes from them); a flag or ``--set`` for any other field is refused in one
     line. The checkpoint is the newest valid one of a run directory (read here; the trainer loads it to resume)."""
+    from mhmoe.config.data import DataConfig
+    from mhmoe.config.run import RunConfig
     from mhmoe.loading.checkpoint import load_latest
-    from mhmoe.train.resume import BRANCH_FIELDS
+    from mhmoe.train.resume import BRANCH_FIELDS, LAUNCH_DATA_FIELDS
 
     if args.resume:
         raise ConfigError("--resume", True, "left out with --branch-from (the new run starts from the branch point; "
                           "--resume it later)")
     ck = load_latest(args.branch_from, "cpu")
-    run = ck.run.with_overrides(flag_overrides(args)) if flag_overrides(args) else ck.run
+    d = ck.run.to_dict()  # where this machine caches tokens and keeps a bundle: never the source run's choice
+    d["data"].update({k: getattr(DataConfig(), k) for k in LAUNCH_DATA_FIELDS})
+    base = RunConfig.from_dict(d)
+    run = base.with_overrides(flag_overrides(args)) if flag_overrides(args) else base
     fields = (*_launch_fields(args), *BRANCH_FIELDS)
-    taken = {f"train.{k}" for k in fields} | {"data.cache_dir"}
+    taken = {f"train.{k}" for k in fields} | {f"data.{k}" for k in LAUNCH_DATA_FIELDS}
     saved, wanted = _flat(ck.run.to_dict()), _flat(run.to_dict())
     for key in (s.split("=", 1)[0].strip() for s in flag_overrides(args)):
         if key not in taken and key in wanted and wanted[key] != saved.get(key):
