@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import transformers  # noqa: E402
 from ecosystem_helpers import tiny_checkpoint, tiny_config  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -25,8 +26,11 @@ VARIANTS = {
     "dense": ("dense", {}, "LlamaForCausalLM"),
     "dense-untied-theta": ("dense", {"tie_embeddings": False, "rope_theta": 500.0}, "LlamaForCausalLM"),
     "dense-gqa": ("dense", {"n_kv_heads": 1}, "LlamaForCausalLM"),
+    "dense-qk-norm": ("dense", {"qk_norm": True}, "Qwen3ForCausalLM"),
     "top1-raw-gate": ("smoe", {}, "Qwen2MoeForCausalLM"),  # Switch: the top-1 weight is the softmax probability
     "top1-gqa": ("smoe", {"n_kv_heads": 1}, "Qwen2MoeForCausalLM"),
+    "top2-qk-norm-every-2nd": (MoEConfig(n_experts=4, top_k=2, d_expert=16), {"qk_norm": True, "moe_every": 2,
+                                                                              "n_layers": 3}, "Qwen3MoeForCausalLM"),
     "top2-renormalised-every-2nd": (MoEConfig(n_experts=4, top_k=2, d_expert=16), {"moe_every": 2, "n_layers": 3},
                                     "Qwen2MoeForCausalLM"),
     "top2-raw-shared": (MoEConfig(n_experts=4, top_k=2, d_expert=16, renormalize=False, n_shared=2, d_shared=8),
@@ -38,6 +42,8 @@ VARIANTS = {
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_builtin_export_loads_without_remote_code_and_reproduces_the_model(name, tmp_path, capsys):
     kind, over, cls = VARIANTS[name]
+    if cls.startswith("Qwen3") and not hasattr(transformers, cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls} (4.51 or newer has)")
     ck = tiny_checkpoint(tmp_path / "run", kind, **over)
     out = tmp_path / "hf"
     assert main(["export", "--hf", "--hf-arch", "builtin", str(tmp_path / "run"), str(out), "--json"]) == 0
@@ -81,6 +87,25 @@ def test_the_hub_layout_of_shared_experts_and_dense_blocks():
 def test_what_no_builtin_class_represents_is_refused_naming_the_field(field, value):
     cfg = tiny_config(MoEConfig(**{"n_experts": 4, "top_k": 2, "d_expert": 16, field: value}))
     with pytest.raises(ConfigError, match=f"model.moe.{field}="):
+        builtin.builtin_arch(cfg)
+
+
+def test_qk_norm_without_qwen3_in_transformers_is_refused_naming_the_field(monkeypatch):
+    known = transformers.AutoConfig.for_model
+
+    def before_qwen3(model_type, *args, **kwargs):  # what transformers < 4.51 says
+        if model_type.startswith("qwen3"):
+            raise ValueError(f"Unrecognized model identifier: {model_type}")
+        return known(model_type, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", before_qwen3)
+    with pytest.raises(ConfigError, match="model.qk_norm=True"):
+        builtin.builtin_config(tiny_config("dense", qk_norm=True), 256)
+
+
+def test_qwen3_moe_has_no_shared_experts():
+    cfg = tiny_config(MoEConfig(n_experts=4, top_k=2, d_expert=16, n_shared=1), qk_norm=True)
+    with pytest.raises(ConfigError, match="model.moe.n_shared=1"):
         builtin.builtin_arch(cfg)
 
 

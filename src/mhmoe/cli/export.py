@@ -36,8 +36,8 @@ def _add_export(sub) -> None:
     p.add_argument("--hf-arch", default="mhmoe", choices=["mhmoe", "builtin"],
                    help="--hf: mhmoe = our model class, its code in the directory (trust_remote_code; every model); "
                         "builtin = a class built into transformers, no remote code: Llama for dense models, "
-                        "Qwen2-MoE for softmax-routed sparse MoE without MH-MoE heads (others are refused); "
-                        "default: mhmoe")
+                        "Qwen2-MoE for softmax-routed sparse MoE without MH-MoE heads, Qwen3 / Qwen3-MoE with "
+                        "model.qk_norm (others are refused); default: mhmoe")
     p.add_argument("--float-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="--bitnet: dtype of the tensors that stay unquantized")
     p.add_argument("--json", action="store_true", help="print the export report as JSON")

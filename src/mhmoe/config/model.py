@@ -35,6 +35,9 @@ class ModelConfig:
     # arXiv:2305.13245; 1 = multi-query): query head i reads key/value head i // (n_heads / n_kv_heads), and the
     # KV cache holds n_kv_heads heads. A divisor of n_heads
     n_kv_heads: int = 0
+    # RMSNorm (weights of width HD, eps norm_eps) over every head's query and key before RoPE (Dehghani et al.
+    # 2023; OLMoE and Qwen3 train their MoE models with it, against logit growth in attention)
+    qk_norm: bool = False
     d_ff: int = 2048  # dense SwiGLU width of the non-MoE blocks
     moe_every: int = 2  # block i has the MoE FFN when (i + 1) % moe_every == 0 (v2 paper: 2)
     max_seq_len: int = 1024
@@ -65,7 +68,8 @@ class ModelConfig:
         check(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
         check(self.norm_eps > 0, "norm_eps", self.norm_eps, "a float > 0 (RMSNorm epsilon)")
         check(self.init_std > 0, "init_std", self.init_std, "a float > 0")
-        check(isinstance(self.tie_embeddings, bool), "tie_embeddings", self.tie_embeddings, "true | false")
+        for name in ("tie_embeddings", "qk_norm"):
+            check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true | false")
         if self.moe.quant != self.quant:  # model.quant is authoritative (a copy: MoEConfigs may be shared)
             self.moe = replace(self.moe, quant=self.quant)
         self.moe.check_d_model(self.d_model, "d_model")

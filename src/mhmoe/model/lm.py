@@ -133,6 +133,9 @@ class Attention(nn.Module):
         linear = BitLinear if quantized else nn.Linear
         self.qkv = linear(cfg.d_model, cfg.d_model + 2 * self.n_kv * self.head_dim, bias=False)
         self.proj = linear(cfg.d_model, cfg.d_model, bias=False)
+        # qk_norm: one RMSNorm over every query head, one over every key head (before RoPE)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # bitnet158: sub-norm before the output projection (the released BitNet models' scheme); the
         # qkv input is already normalised by the block's pre-norm
         self.sub_norm = SubNorm(cfg.d_model, cfg.norm_eps) if quantized else None
@@ -147,6 +150,8 @@ class Attention(nn.Module):
         else:  # grouped-query attention: q [B, NH, T, HD], k and v [B, KV, T, HD]
             q, k, v = self.qkv(x).split([D, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
             q, k, v = (t.reshape(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv != self.n_heads  # SDPA pairs query head i with key/value head i // (NH / KV)
         if not self.causal:

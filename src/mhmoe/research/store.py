@@ -41,7 +41,7 @@ IGNORED = ("name", "model.vocab_size")
 #: fields added to the config after run records were first written, with the value every older run had: left out
 #: of the identity at that value, so that the keys and records of older runs stay valid
 ADDED_FIELDS = {"model.moe.router_dtype": "float32", "train.cooldown_fraction": 0.2, "train.cooldown_shape": "1-sqrt",
-                "model.n_kv_heads": 0}
+                "model.n_kv_heads": 0, "model.qk_norm": False}
 RECORD_FORMAT = 1
 TRAIN_CURVE_POINTS = 400  # the record keeps at most this many training-loss points
 

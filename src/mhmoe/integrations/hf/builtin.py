@@ -4,7 +4,9 @@ The dense and sparse-MoE baselines are architectures that transformers (and the 
 that read its checkpoints) already know, so they can be exported without any model code of ours:
 
 - every FFN dense -> **Llama** (``LlamaForCausalLM``): RMSNorm, rotate-half RoPE, SwiGLU, no biases, as ours;
-- softmax-routed sparse MoE without MH-MoE heads -> **Qwen2-MoE** (``Qwen2MoeForCausalLM``), whose options
+  with ``qk_norm`` -> **Qwen3** (``Qwen3ForCausalLM``: Llama's blocks with a query and a key RMSNorm per head);
+- softmax-routed sparse MoE without MH-MoE heads -> **Qwen2-MoE** (``Qwen2MoeForCausalLM``; with ``qk_norm``,
+  **Qwen3-MoE**, which has no shared experts and no q/k/v biases), whose options
   cover ours: the MoE blocks (``decoder_sparse_step`` = ``moe_every``, the same rule), the top-k weights
   renormalised or raw (``norm_topk_prob``), dense blocks of width ``d_ff`` between MoE blocks, DeepSeekMoE
   shared experts. Three identities make the mapping exact: q/k/v carry zero biases (Qwen2-MoE before
@@ -43,7 +45,7 @@ def builtin_arch(cfg: ModelConfig) -> str:
         raise ConfigError("model.quant", cfg.quant, f"none for --hf-arch builtin (BitNet: {MHMOE_ONLY})")
     moe = cfg.moe
     if moe.kind == "dense":
-        return "llama"
+        return "qwen3" if cfg.qk_norm else "llama"
     refusals = [
         ("heads", moe.heads, moe.heads == 1, "1"),
         ("head_layer", moe.head_layer, not moe.head_layer, "false"),
@@ -60,14 +62,24 @@ def builtin_arch(cfg: ModelConfig) -> str:
     for field, value, ok, allowed in refusals:
         if not ok:
             raise ConfigError(f"model.moe.{field}", value, f"{allowed} for --hf-arch builtin (else {MHMOE_ONLY})")
-    return "qwen2_moe"
+    if cfg.qk_norm and moe.n_shared:
+        raise ConfigError("model.moe.n_shared", moe.n_shared, f"0 with model.qk_norm for --hf-arch builtin (Qwen3-MoE "
+                          f"has no shared experts; else {MHMOE_ONLY})")
+    return "qwen3_moe" if cfg.qk_norm else "qwen2_moe"
 
 
 def builtin_config(cfg: ModelConfig, eos_token_id: int) -> Any:
-    """The transformers config (``LlamaConfig`` / ``Qwen2MoeConfig``) of a model :func:`builtin_arch` accepts."""
+    """The transformers config (``LlamaConfig``, ``Qwen3Config``, ``Qwen2MoeConfig``, ``Qwen3MoeConfig``) of a model
+    :func:`builtin_arch` accepts."""
+    import transformers
     from transformers import AutoConfig
 
     arch = builtin_arch(cfg)
+    try:
+        AutoConfig.for_model(arch)
+    except (KeyError, ValueError):  # Qwen3 came with transformers 4.51
+        raise ConfigError("model.qk_norm", cfg.qk_norm, f"false for --hf-arch builtin with transformers "
+                          f"{transformers.__version__}, which has no {arch} (4.51 or newer has)") from None
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
@@ -76,12 +88,18 @@ def builtin_config(cfg: ModelConfig, eos_token_id: int) -> Any:
         bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id, torch_dtype="float32")
     if arch == "llama":
         return AutoConfig.for_model("llama", **common, attention_bias=False, mlp_bias=False)
+    if arch == "qwen3":
+        return AutoConfig.for_model("qwen3", **common, head_dim=cfg.d_model // cfg.n_heads, attention_bias=False,
+                                    use_sliding_window=False)
     moe = cfg.moe
-    return AutoConfig.for_model(
-        "qwen2_moe", **common, decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], num_experts=moe.n_experts,
-        num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert, norm_topk_prob=moe.renormalize_weights,
-        shared_expert_intermediate_size=moe.n_shared * moe.shared_width, qkv_bias=True, use_sliding_window=False,
-        output_router_logits=False)
+    sparse = dict(decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], num_experts=moe.n_experts,
+                  num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.d_expert,
+                  norm_topk_prob=moe.renormalize_weights, use_sliding_window=False, output_router_logits=False)
+    if arch == "qwen3_moe":
+        return AutoConfig.for_model("qwen3_moe", **common, **sparse, head_dim=cfg.d_model // cfg.n_heads,
+                                    attention_bias=False)
+    return AutoConfig.for_model("qwen2_moe", **common, **sparse, qkv_bias=True,
+                                shared_expert_intermediate_size=moe.n_shared * moe.shared_width)
 
 
 def _swiglu(w1: Tensor, w2: Tensor, w3: Tensor, prefix: str, down_scale: float = 1.0) -> dict[str, Tensor]:
@@ -91,8 +109,9 @@ def _swiglu(w1: Tensor, w2: Tensor, w3: Tensor, prefix: str, down_scale: float =
             f"{prefix}.down_proj.weight": (w2.t() * down_scale).contiguous()}
 
 
-def _ffn_weights(block: Any, prefix: str) -> dict[str, Tensor]:
-    """The FFN of one block: a dense SwiGLU (Llama's and Qwen2-MoE's ``mlp``) or a Qwen2-MoE sparse block."""
+def _ffn_weights(block: Any, prefix: str, qwen3: bool = False) -> dict[str, Tensor]:
+    """The FFN of one block: a dense SwiGLU (every architecture's ``mlp``) or a Qwen2-MoE / Qwen3-MoE sparse
+    block."""
     ffn = block.ffn
     if not block.is_moe:  # DenseLayer: a one-expert GroupedExperts
         e = ffn.ffn.experts
@@ -101,6 +120,8 @@ def _ffn_weights(block: Any, prefix: str) -> dict[str, Tensor]:
     out = {f"{prefix}.gate.weight": ffn.router.weight.detach().clone()}
     for i in range(e.w1.shape[0]):
         out.update(_swiglu(e.w1[i], e.w2[i], e.w3[i], f"{prefix}.experts.{i}"))
+    if qwen3:  # Qwen3-MoE: no shared expert
+        return out
     if ffn.shared is None:  # a zero-wide shared expert adds nothing
         empty = e.w1.new_zeros(d, 0)
         out.update(_swiglu(empty, empty.t(), empty, f"{prefix}.shared_expert"))
@@ -132,5 +153,8 @@ def builtin_state_dict(lm: LM) -> dict[str, Tensor]:
         if arch == "qwen2_moe":
             widths = {"q": D, "k": KVD, "v": KVD}
             sd.update({f"{p}.self_attn.{n}_proj.bias": q.new_zeros(w) for n, w in widths.items()})
-        sd.update(_ffn_weights(block, f"{p}.mlp"))
+        if block.attn.q_norm is not None:
+            sd.update({f"{p}.self_attn.q_norm.weight": block.attn.q_norm.weight.clone(),
+                       f"{p}.self_attn.k_norm.weight": block.attn.k_norm.weight.clone()})
+        sd.update(_ffn_weights(block, f"{p}.mlp", qwen3=arch == "qwen3_moe"))
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
