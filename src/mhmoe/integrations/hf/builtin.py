@@ -37,8 +37,8 @@ MHMOE_ONLY = "the default --hf-arch mhmoe, which exports every model"
 
 
 def builtin_arch(cfg: ModelConfig) -> str:
-    """``"llama"`` (every FFN dense) or ``"qwen2_moe"`` (softmax-routed sparse MoE); a one-line ConfigError
-    naming the first field that no built-in architecture represents."""
+    """``"llama"`` (every FFN dense), ``"qwen2_moe"`` (softmax-routed sparse MoE), or with ``qk_norm`` ``"qwen3"`` /
+    ``"qwen3_moe"``; a one-line ConfigError naming the first field that no built-in architecture represents."""
     if cfg.arch != "decoder":
         raise ConfigError("model.arch", cfg.arch, f"decoder for --hf-arch builtin ({MHMOE_ONLY} but encoders)")
     if cfg.quant != "none":
