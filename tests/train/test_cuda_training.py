@@ -40,6 +40,26 @@ def steps_without_syncs(run, run_dir: Path, n: int) -> tuple[Trainer, list]:
     return trainer, results[2:]
 
 
+def test_grouped_query_attention_with_qk_norm_steps_never_wait_for_the_device(tmp_path):
+    """SDPA's grouped-query path (``enable_gqa``) and the query/key norms on CUDA, bf16; then decoding with the KV
+    cache (KV heads) gives the full forward's logits (a wrong head grouping would be off by O(1))."""
+    from mhmoe.model.lm import KVCache
+
+    run = tiny_run(tmp_path, MHMOE, device="cuda", dtype="bfloat16", max_steps=50, log_every=1000).with_overrides(
+        ["model.n_kv_heads=2", "model.qk_norm=true"])
+    trainer, results = steps_without_syncs(run, tmp_path / "r", 4)
+    assert all(bool(r.finite) for r in results)
+    model = trainer.model.eval()
+    x = torch.randint(0, 256, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cache = KVCache(model.cfg.n_layers)
+    with torch.no_grad():
+        full = model(x).logits
+        steps = [model(x[:, :5], cache=cache).logits] + [model(x[:, t:t + 1], cache=cache).logits
+                                                          for t in range(5, 12)]
+    assert cache.k[0].shape[1] == 2
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("mode", ["moe", "blocks"])
 def test_recomputing_training_steps_never_wait_for_the_device(tmp_path, mode):
     """Activation checkpointing on the default bf16 path: no host synchronisation either, and the same losses
