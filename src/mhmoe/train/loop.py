@@ -55,7 +55,7 @@ from mhmoe.train.lock import RunDirLock
 from mhmoe.train.loss_scale import LossScale
 from mhmoe.train.metrics import MetricsWriter, routing_summary, sum_routing
 from mhmoe.train.objectives import Objective, build_objective
-from mhmoe.train.optim import build_optimizer, lr_lambda, weight_decay_at
+from mhmoe.train.optim import build_optimizer, continue_schedule, lr_lambda, weight_decay_at
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
 from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
@@ -300,12 +300,7 @@ class Trainer:
             return Progress()
         st = self.parallelism.restore(self.ckpt, self.model, self.optimizer)
         self.scheduler.load_state_dict(st["scheduler"])
-        # the next step's lr from this run's schedule (a resume with another --max-steps, a branch with another
-        # schedule): the optimizer state holds the lr the checkpoint's schedule set; unchanged, the same number
-        f = lr_lambda(self.train_config)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * f(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        continue_schedule(self.optimizer, self.scheduler, self.train_config)  # this run's schedule from here on
         torch.set_rng_state(st["rng_cpu"])
         if self.parallelism.device.type == "cuda" and "rng_cuda" in st:
             torch.cuda.set_rng_state(st["rng_cuda"])

@@ -73,3 +73,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool = False) -> 
             (decay if p.dim() >= 2 and not name.endswith("sub_norm") else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+
+
+def continue_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                      cfg: TrainConfig) -> None:
+    """After a checkpoint's scheduler state is loaded: every group's lr for the next step from ``cfg``'s schedule
+    (a resume with another ``max_steps``, a branch with another schedule) instead of the one the checkpoint's
+    schedule set; with the same schedule, the same numbers."""
+    f = lr_lambda(cfg)
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * f(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr() reports
