@@ -45,7 +45,7 @@ class HFExportReport:
     max_abs_logit_diff: float  # the exported directory's own code (trust_remote_code) vs the checkpoint's model
     generated_tokens: int  # greedy tokens compared, with the KV cache, against mhmoe.model.generate
     generate_matches: bool
-    architecture: str = "mhmoe"  # mhmoe (our code, trust_remote_code) | llama | qwen2_moe (built into transformers)
+    architecture: str = "mhmoe"  # mhmoe (our code, trust_remote_code) | llama | qwen3 | qwen2_moe | qwen3_moe
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,42 +90,41 @@ def _check_inputs(model: LM) -> tuple[Tensor, Tensor, int]:
     return idx, prompt, min(CHECK_TOKENS, model.cfg.max_seq_len - prompt.shape[1])
 
 
+def _compare(exported: Any, model: LM) -> tuple[float, float, int, bool]:
+    """(max |logit diff| of ``exported`` against ``model`` on the check's random sequence, the largest |logit| of
+    ``model``, greedy tokens compared, whether ``generate`` with the KV cache gave our tokens); both run the Python
+    loop (the exported code's own, bit for bit)."""
+    idx, prompt, steps = _check_inputs(model)
+    with torch.no_grad():
+        with native_loop_disabled():
+            ours = model.eval()(idx).logits
+            diff = float((exported(idx).logits - ours).abs().max())
+            tokens = generate(model, prompt, steps, temperature=0)
+        theirs = exported.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                   pad_token_id=exported.config.eos_token_id)
+    return diff, float(ours.abs().max()), steps, bool(torch.equal(theirs, tokens))
+
+
 def check_export(directory: Path, model: LM) -> tuple[float, int, bool]:
     """Load ``directory`` through its bundled code and compare with ``model``: (max |logit diff| on a
     random sequence, greedy tokens compared, whether ``generate`` with the KV cache gave our tokens)."""
-    idx, prompt, steps = _check_inputs(model)
-    with imported_bundle(directory) as bundle, quiet_transformers(), torch.no_grad():
-        exported = bundle.MHMoEForCausalLM.from_pretrained(directory).eval()
-        with native_loop_disabled():  # the Python loop: the exported code's own, bit for bit
-            diff = float((exported(idx).logits - model.eval()(idx).logits).abs().max())
-        eos = exported.config.eos_token_id
-        theirs = exported.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                                   pad_token_id=eos)
-    with native_loop_disabled():
-        ours = generate(model, prompt, steps, temperature=0)
-    return diff, steps, bool(torch.equal(theirs, ours))
+    with imported_bundle(directory) as bundle, quiet_transformers():
+        diff, _, steps, same = _compare(bundle.MHMoEForCausalLM.from_pretrained(directory).eval(), model)
+    return diff, steps, same
 
 
-def check_builtin(directory: Path, model: LM) -> tuple[float, int, bool]:
-    """:func:`check_export` for a built-in architecture (:mod:`~mhmoe.integrations.hf.builtin`): loaded by
+def check_builtin(directory: Path, model: LM) -> tuple[float, float, int, bool]:
+    """:func:`_compare` for a built-in architecture (:mod:`~mhmoe.integrations.hf.builtin`): loaded by
     ``AutoModelForCausalLM`` without remote code; a weight missing from or unknown to the architecture raises."""
     from transformers import AutoModelForCausalLM
 
-    idx, prompt, steps = _check_inputs(model)
-    with quiet_transformers(), torch.no_grad(), warnings.catch_warnings():
+    with quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op" (no shared expert)
         exported, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
             raise CheckpointError(f"{directory}: transformers did not load the export's weights as written: {bad}")
-        exported.eval()
-        with native_loop_disabled():
-            diff = float((exported(idx).logits - model.eval()(idx).logits).abs().max())
-        theirs = exported.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                                   pad_token_id=exported.config.eos_token_id)
-    with native_loop_disabled():
-        ours = generate(model, prompt, steps, temperature=0)
-    return diff, steps, bool(torch.equal(theirs, ours))
+        return _compare(exported.eval(), model)
 
 
 def _write_mhmoe(tmp: Path, ck: Checkpoint, lm: LM) -> tuple[float, int, bool]:
@@ -150,9 +149,7 @@ def _write_builtin(tmp: Path, ck: Checkpoint, lm: LM) -> tuple[float, int, bool]
     with quiet_transformers():
         config.save_pretrained(tmp)
     save_file(builtin_state_dict(lm), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    diff, steps, same = check_builtin(tmp, lm)
-    with torch.no_grad(), native_loop_disabled():
-        scale = float(lm(_check_inputs(lm)[0]).logits.abs().max())
+    diff, scale, steps, same = check_builtin(tmp, lm)
     if diff > BUILTIN_TOLERANCE * max(1.0, scale) or not same:
         raise CheckpointError(f"{ck.path}: the {config.model_type} export does not reproduce the checkpoint (max "
                               f"|logit diff| {diff:.3g}, greedy generate equal: {same}); nothing written")
@@ -163,8 +160,8 @@ def export_hf(ck: Checkpoint, out: str | os.PathLike[str], arch: str = "mhmoe") 
     """Write ``ck`` into ``out`` (which must not exist or be empty) as a transformers model directory:
     ``arch="mhmoe"``: ``config.json`` (with ``auto_map``) + ``model.safetensors`` + the model code
     (:mod:`~mhmoe.integrations.hf.remote_code`), for every model; ``"builtin"``: a model class built into
-    transformers (Llama, Qwen2-MoE: :mod:`~mhmoe.integrations.hf.builtin`), where the model is one. Both add
-    ``tokenizer.json`` (+ our tokenizer under ``mhmoe_tokenizer/``). Everything is written into a hidden
+    transformers (Llama, Qwen3, Qwen2-MoE, Qwen3-MoE: :mod:`~mhmoe.integrations.hf.builtin`), where the model is
+    one. Both add ``tokenizer.json`` (+ our tokenizer under ``mhmoe_tokenizer/``). Everything is written into a hidden
     temporary sibling and checked -- loaded as transformers loads it, logits and greedy ``generate`` compared
     with the checkpoint's model -- then renamed into place: ``out`` is never left half-written, and an export
     that does not reproduce the model is refused."""
