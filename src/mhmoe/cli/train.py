@@ -78,14 +78,18 @@ def refuse_unhonoured_resume_overrides(args: argparse.Namespace, run, launch_fie
     if not getattr(args, "resume", False) or not regular_or_missing(saved_file):  # a symlink, a FIFO: one line
         return
     taken = {f"train.{k}" for k in launch_fields} | {"data.cache_dir"}
-    given = [s.split("=", 1)[0].strip() for s in flag_overrides(args)]
-    saved, wanted = _flat(RunConfig.load(saved_file).to_dict()), _flat(run.to_dict())
-    for key in given:
-        if key not in taken and key in wanted and wanted[key] != saved.get(key):
-            launch = ", ".join(sorted(taken))
-            raise ConfigError(key, wanted[key], f"the run's own value {saved.get(key)!r}: --resume continues "
-                              f"{args.out} with its config (only {launch} come from this command); train into a "
-                              "new --out to change it")
+    refuse_changes(args, RunConfig.load(saved_file), run, taken, lambda old, launch: (
+        f"the run's own value {old!r}: --resume continues {args.out} with its config (only {launch} come from "
+        "this command); train into a new --out to change it"))
+
+
+def refuse_changes(args: argparse.Namespace, saved, run, taken: set[str], why) -> None:
+    """A flag or ``--set`` of this command for a field outside ``taken`` whose value in ``run`` differs from the
+    ``saved`` run's: a one-line ConfigError, ``why(saved value, the taken fields)`` saying what is allowed."""
+    saved_flat, wanted = _flat(saved.to_dict()), _flat(run.to_dict())
+    for key in (s.split("=", 1)[0].strip() for s in flag_overrides(args)):
+        if key not in taken and key in wanted and wanted[key] != saved_flat.get(key):
+            raise ConfigError(key, wanted[key], why(saved_flat.get(key), ", ".join(sorted(taken))))
 
 
 def refuse_resume_of_nothing(args: argparse.Namespace) -> None:
@@ -223,12 +227,9 @@ def _branch_source(args: argparse.Namespace):
     run = base.with_overrides(flag_overrides(args)) if flag_overrides(args) else base
     fields = (*_launch_fields(args), *BRANCH_FIELDS)
     taken = {f"train.{k}" for k in fields} | {f"data.{k}" for k in LAUNCH_DATA_FIELDS}
-    saved, wanted = _flat(ck.run.to_dict()), _flat(run.to_dict())
-    for key in (s.split("=", 1)[0].strip() for s in flag_overrides(args)):
-        if key not in taken and key in wanted and wanted[key] != saved.get(key):
-            raise ConfigError(key, wanted[key], f"the branched run's own value {saved.get(key)!r}: a branch continues "
-                              f"its optimizer and data stream (only {', '.join(sorted(taken))} come from this "
-                              "command)")
+    refuse_changes(args, ck.run, run, taken, lambda old, launch: (
+        f"the branched run's own value {old!r}: a branch continues its optimizer and data stream (only {launch} "
+        "come from this command)"))
     return ck.path, run, fields
 
 
