@@ -13,10 +13,11 @@ vector/scalar boundaries move and the last bit may differ). Why C++ and not ``to
 change every step (recompiles), and a compiled function's per-call overhead is as large as the per-expert work it
 would save (docs/PERFORMANCE.md).
 
-How it is built: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``, a dependency) into
-torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), once per machine, ISA and
-source version (the name carries a digest of the sources and headers, so checkouts of different versions keep a
-build each instead of rebuilding over each other): about 25 s on 2 cores. ``python -m mhmoe.moe.dispatch.native``
+How it is built (:mod:`mhmoe.moe.dispatch.native.extension`): :func:`torch.utils.cpp_extension.load` (needs a C++
+compiler and ``ninja``, a dependency) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), once per machine, ISA, torch, Python and source version (the name carries a digest of
+them all, so checkouts of different versions keep a build each instead of rebuilding over each other), under a lock
+that a killed build cannot leave behind: about 25-30 s on 2 cores. ``python -m mhmoe.moe.dispatch.native``
 builds it ahead of time (``make install`` does). Where it cannot be built the fused path runs its Python loop (one
 warning); ``MHMOE_NATIVE=0`` turns it off, :func:`disabled` within a block (the export check compares the exported
 code, which has no C++ ops, with the library's Python loop). Forward-only calls pass no hidden buffers: each
@@ -59,34 +60,21 @@ files).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from mhmoe.moe.dispatch.native.extension import HEADERS, SOURCES, build, capability
 from mhmoe.runtime.cpu import cpu_isa
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("expert_loop.cpp", "slot_grads.cpp", "router_topk.cpp", "token_xent.cpp", "gathered_ffn.cpp",
-                        "group_rows.cpp")]
-# included by the sources; part of the build's key
-HEADERS = [Path(__file__).with_name(name) for name in ("vec_io.h", "swiglu.h", "dot_gemm.h", "amx_gemm.h")]
-# ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
-ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
-               "-DCPU_CAPABILITY=AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
-}
 DTYPES = (torch.float32, torch.bfloat16)
 # bf16 experts whose weight matrices have at most DOT_GEMM_WEIGHTS elements (AMX_GEMM_WEIGHTS on AMX CPUs), at least
 # DOT_GEMM_MIN_IN input features and at most DOT_GEMM_MAX_RATIO times as many hidden ones run their GEMMs on the
@@ -119,44 +107,6 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _DISABLED.reset(token)
-
-
-def capability() -> str:
-    """The vector ISA torch dispatches its CPU kernels to here (``AVX512``, ``AVX2``, ``DEFAULT``, ...)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-def _ninja_dir() -> str | None:
-    """Where the ``ninja`` package put its executable when it is not on PATH (a venv run without activation)."""
-    if shutil.which("ninja"):
-        return None
-    try:
-        import ninja
-    except ImportError:
-        return None
-    return getattr(ninja, "BIN_DIR", None)
-
-
-def build(verbose: bool = False) -> None:
-    """Compile (or load from the cache) the extension for this CPU's ISA; raises where that fails."""
-    from torch.utils.cpp_extension import load
-
-    cap = capability()
-    extra = _ninja_dir()
-    path = os.environ.get("PATH", "")
-    if extra:  # torch runs `ninja` from PATH: the package's copy for the duration of the build
-        os.environ["PATH"] = extra + os.pathsep + path
-    try:
-        load(name=f"mhmoe_native_{cap.lower()}_{_source_key()}", sources=[str(p) for p in SOURCES],
-             is_python_module=False, extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(cap, [])], verbose=verbose)
-    finally:
-        if extra:
-            os.environ["PATH"] = path
-
-
-def _source_key() -> str:
-    """A digest of the sources and headers (torch itself rebuilds on source and flag changes, not on headers)."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
 
 
 @functools.cache
