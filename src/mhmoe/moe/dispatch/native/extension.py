@@ -1,13 +1,14 @@
-"""Building and loading the C++ extension: once per machine, ISA, torch, Python and source version, safe against
-builds that were killed half-way.
+"""Building and loading the C++ extension: once per machine, ISA, torch, Python and source version, safe against builds
+that were killed half-way.
 
 :func:`torch.utils.cpp_extension.load` compiles with ninja into a build directory and serialises concurrent builds
-with a lock *file* that it deletes when it is done; a build killed half-way (a session or job that ends, Ctrl-C,
-the OOM killer) leaves that file behind and every later ``load`` of that directory waits for it forever. So the
-build here runs under an ``flock`` on its own lock file instead (the kernel releases it when the holder dies),
-removes torch's stale lock file while holding it, waits at most :data:`BUILD_WAIT_S` for another process's build,
-and marks a finished build (``built``): a marked build is loaded with :func:`torch.ops.load_library` without
-ninja, so checkouts at other paths (whose sources ninja sees as new files) load it instead of rebuilding it.
+with a lock *file* that it deletes when it is done; a build killed half-way (a session or job that ends, Ctrl-C, the
+OOM killer) leaves that file behind and every later ``load`` of that directory waits for it forever. So the build
+here runs under a lock of its own instead (:class:`filelock.FileLock`, as the run directories: an ``flock`` on
+POSIX, which the kernel releases when the holder dies), removes torch's stale lock file while holding it, waits at
+most :data:`BUILD_WAIT_S` for another process's build, and marks a finished build (``built``): a marked build is
+loaded with :func:`torch.ops.load_library` without ninja, so checkouts at other paths (whose sources ninja sees as
+new files) load it instead of rebuilding it.
 
 The directory is ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions/py<ver>_cpu``) /
 ``mhmoe_native_<isa>_<key>``, the key a digest of the sources, headers, compiler flags, torch and Python versions.
@@ -19,17 +20,10 @@ import hashlib
 import os
 import shutil
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: torch's own lock file only
-    fcntl = None  # type: ignore[assignment]
+from filelock import FileLock
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("expert_loop.cpp", "slot_grads.cpp", "router_topk.cpp", "token_xent.cpp",
@@ -84,28 +78,11 @@ def build_root() -> Path:
     return Path(get_default_build_root()) / f"{version}_cpu"
 
 
-@contextmanager
-def exclusive(path: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if absent) for the block; TimeoutError after ``wait_s``
-    seconds of another holder. A dead holder's lock is released by the kernel, never left behind."""
-    if fcntl is None:
-        yield
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    busy = f"another process has been building {path.parent} for over {wait_s:.0f} s"
-                    raise TimeoutError(busy) from None
-                time.sleep(0.2)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
+def exclusive(path: Path, wait_s: float = BUILD_WAIT_S) -> FileLock:
+    """An exclusive lock on ``path`` (:class:`filelock.FileLock`: ``flock`` on POSIX, created if absent) to hold
+    with ``with``; :class:`TimeoutError` (filelock's ``Timeout``) after ``wait_s`` seconds of another holder. The
+    kernel releases a dead holder's lock: it is never left behind."""
+    return FileLock(str(path), timeout=wait_s)
 
 
 def _ninja_dir() -> str | None:
