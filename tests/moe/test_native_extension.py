@@ -76,6 +76,25 @@ def test_unfinished_build_is_built_again(fake_build):
     assert fake_build["compile"] == 2 and fake_build["load"] == []
 
 
+def test_a_marked_library_that_no_longer_loads_is_built_again(fake_build, monkeypatch):
+    name = nb.extension_name(nb.capability())
+    directory = nb.build_root() / name
+    directory.mkdir(parents=True)
+    (directory / nb.BUILT_MARK).touch()
+    (directory / f"{name}.so").write_bytes(b"damaged")
+
+    def load_library(path):
+        if (directory / f"{name}.so").read_bytes() == b"damaged":
+            raise OSError("invalid ELF header")
+        fake_build["load"].append(path)
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    nb.build()
+    assert fake_build["compile"] == 1 and (directory / f"{name}.so").read_bytes() == b"library"
+    nb.build()
+    assert fake_build["compile"] == 1 and len(fake_build["load"]) == 1
+
+
 def test_lock_waits_for_a_live_holder_and_not_for_a_dead_one(tmp_path):
     path = tmp_path / "x.lock"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

@@ -112,22 +112,34 @@ def _compile(name: str, directory: Path, cap: str, verbose: bool) -> None:
             os.environ["PATH"] = path
 
 
+def _load_built(directory: Path, library: Path) -> bool:
+    """Load the library if its build finished (marked); False where there is none or it does not load (a file
+    damaged since: the caller builds it again)."""
+    if not ((directory / BUILT_MARK).is_file() and library.is_file()):
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:
+        return False
+    return True
+
+
 def build(verbose: bool = False) -> Path:
-    """Load this machine's build of the extension, compiling it first where there is none; returns the library's
-    path. Raises where that fails (no compiler, no ninja, another build running for over :data:`BUILD_WAIT_S`)."""
+    """Load this machine's build of the extension, compiling it first where there is none (or it no longer
+    loads); returns the library's path. Raises where that fails (no compiler, no ninja, another build running for
+    over :data:`BUILD_WAIT_S`)."""
     cap = capability()
     name = extension_name(cap)
     directory = build_root() / name
     library = directory / f"{name}.so"
-    if (directory / BUILT_MARK).is_file() and library.is_file():
-        torch.ops.load_library(str(library))
+    if _load_built(directory, library):
         return library
     directory.mkdir(parents=True, exist_ok=True)
     with exclusive(directory / LOCK_NAME):
-        if (directory / BUILT_MARK).is_file() and library.is_file():  # built while this process waited
-            torch.ops.load_library(str(library))
+        if _load_built(directory, library):  # built while this process waited
             return library
-        (directory / "lock").unlink(missing_ok=True)  # torch's lock file, left by a killed build: none is running
+        for stale in (directory / BUILT_MARK, library, directory / "lock"):  # torch's lock file: none is running
+            stale.unlink(missing_ok=True)
         _compile(name, directory, cap, verbose)
         (directory / BUILT_MARK).write_text(f"{name}\n")
     return library
