@@ -32,24 +32,21 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from mhmoe.checkpoint.format import list_checkpoints, remove_stale_temporaries
-from mhmoe.checkpoint.layout import CONFIG_FILE, EVAL_FILE, RESULTS_FILE, RUN_LOGS
+from mhmoe.checkpoint.layout import CONFIG_FILE, EVAL_FILE, RESULTS_FILE
 from mhmoe.config.flops import model_flops_per_token
 from mhmoe.config.run import RunConfig
 from mhmoe.errors import ConfigError, TrainingStopped
-from mhmoe.loading.checkpoint import Checkpoint
 from mhmoe.model import build_model
 from mhmoe.model.recompute import set_activation_checkpointing
 from mhmoe.moe.layers import RoutingStats
 from mhmoe.runtime.device import autocast_ctx, resolve_device
 from mhmoe.runtime.files import atomic_write
-from mhmoe.runtime.reading import regular_or_missing
 from mhmoe.runtime.signals import Interrupted, StopRequests, signal_name
 from mhmoe.train.lock import RunDirLock
 from mhmoe.train.loss_scale import LossScale
@@ -59,8 +56,9 @@ from mhmoe.train.optim import build_optimizer, continue_schedule, lr_lambda, wei
 from mhmoe.train.parallelism import SingleProcess
 from mhmoe.train.plots import update_run_plot
 from mhmoe.train.progress import StepBar, eval_progress, format_eval, run_header
-from mhmoe.train.resume import LAUNCH_FIELDS, resumed_run
+from mhmoe.train.resume import LAUNCH_FIELDS
 from mhmoe.train.run_dir import check_run_paths
+from mhmoe.train.start import start_point
 
 
 @dataclass
@@ -170,10 +168,9 @@ class Trainer:
         if par.is_rank0:
             check_run_paths(run_dir)  # a FIFO, a device, a file for checkpoints/: one line now, not at the first save
             remove_stale_temporaries(run_dir)  # left by a killed run (the lock says none is writing now)
-        self.ckpt = self._open_resume(run, resume, launch_fields)
-        self.from_config_file = False  # a resume without checkpoint that starts the run's own config.yaml
-        self.run_config = resumed_run(self.ckpt, run, launch_fields) if self.ckpt else \
-            self._start_config(run, resume, launch_fields)
+        begin = start_point(run_dir, run, resume, branch_from, parallelism, launch_fields)
+        # from_config_file: a resume without checkpoint that starts the run's own config.yaml
+        self.ckpt, self.run_config, self.from_config_file = begin.ckpt, begin.run, begin.from_config_file
         self.train_config = self.run_config.train
         if self.train_config.threads:
             torch.set_num_threads(self.train_config.threads)
@@ -206,60 +203,6 @@ class Trainer:
         self.window = (time.perf_counter(), self.state.tokens_seen)  # (time, tokens) at the last log
 
     # ---- setup --------------------------------------------------------------------------------
-    def _open_resume(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> Checkpoint | None:
-        has_ckpt = bool(list_checkpoints(self.run_dir))
-        if self.branch is not None:
-            return self._open_branch(has_ckpt, launch_fields)
-        if has_ckpt and not resume:
-            raise ConfigError("--out", str(self.run_dir), "a new directory (it holds checkpoints: pass --resume to "
-                                                          "continue)")
-        logs = [n for n in RUN_LOGS if os.path.lexists(self.run_dir / n)]
-        if not has_ckpt and logs and not resume:
-            raise ConfigError("--out", str(self.run_dir), f"a new directory (it holds {logs[0]} of an earlier run and "
-                                                          "no checkpoint: pass --resume to train that run again from "
-                                                          "step 0, or choose another --out)")
-        if not has_ckpt:
-            return None
-        ckpt = self.parallelism.load_checkpoint(self.run_dir)
-        if self.parallelism.is_rank0:
-            taken = [f"train.{k}={getattr(run.train, k)}" if k == "max_steps" else k for k in launch_fields]
-            taken.append("data.cache_dir")
-            print(f"mhmoe: resuming from step {ckpt.step}, checkpoint {ckpt.path}, with the run's own config "
-                  f"(only {', '.join(taken)} are taken from this command)", file=sys.stderr)
-        return ckpt
-
-    def _open_branch(self, has_ckpt: bool, launch_fields: tuple[str, ...]) -> Checkpoint:
-        """The checkpoint a branch continues from, into a run directory that holds no run yet."""
-        held = "checkpoints" if has_ckpt else next((n for n in RUN_LOGS if os.path.lexists(self.run_dir / n)), None)
-        if held:
-            raise ConfigError("--out", str(self.run_dir), f"a new directory for --branch-from (it holds {held} of "
-                                                          "another run)")
-        assert self.branch is not None
-        ckpt = self.parallelism.load_checkpoint(Path(self.branch))
-        if self.parallelism.is_rank0:
-            print(f"mhmoe: branching from step {ckpt.step}, checkpoint {ckpt.path}, with its run's config (only "
-                  f"{', '.join(launch_fields)} and data.cache_dir are taken from this command)", file=sys.stderr)
-        return ckpt
-
-    def _start_config(self, run: RunConfig, resume: bool, launch_fields: tuple[str, ...]) -> RunConfig:
-        """The config a run without checkpoint starts from step 0: ``run``, except on a resume of a run
-        that wrote its ``config.yaml`` (killed before its first checkpoint, or during its first save):
-        then the run's own config, with this command's launch properties, as a checkpoint's would be. An
-        unreadable ``config.yaml`` (a symlink, a FIFO, damaged) is refused in one line; the run's
-        configuration is never replaced by another."""
-        saved_file = self.run_dir / CONFIG_FILE
-        if not resume or not regular_or_missing(saved_file):
-            if resume and self.parallelism.is_rank0:
-                print(f"mhmoe: note: {self.run_dir} holds no checkpoint and no {CONFIG_FILE} yet: starting the "
-                      "given config from step 0", file=sys.stderr)
-            return run
-        saved = RunConfig.load(saved_file)
-        self.from_config_file = True
-        if self.parallelism.is_rank0:
-            print(f"mhmoe: note: {self.run_dir} holds no checkpoint yet: starting its own {saved_file} from step 0",
-                  file=sys.stderr)
-        return resumed_run(SimpleNamespace(run=saved), run, launch_fields)  # type: ignore[arg-type]
-
     def _prepare_objective(self, progress: bool) -> Objective:
         """The run's training objective (``data.task``) with its data tokenized and cached (rank 0 first, so the others
         read its cache); the model's vocabulary is sized from it."""
