@@ -17,7 +17,8 @@ import importlib.util
 import torch
 
 from mhmoe.moe.layers import build_ffn_layer
-from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner, time_fns
+from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner
+from mhmoe.research.timing import time_fns
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 

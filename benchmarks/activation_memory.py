@@ -32,7 +32,7 @@ import torch
 from mhmoe.config.presets import get_preset
 from mhmoe.model import build_model
 from mhmoe.model.recompute import set_activation_checkpointing
-from mhmoe.research.bench import machine_info
+from mhmoe.research.timing import machine_info
 from mhmoe.runtime.cpu_malloc import held_bytes, malloc_from_env
 from mhmoe.runtime.device import autocast_ctx
 

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mhmoe.research.bench import machine_info, time_fn
+from mhmoe.research.timing import machine_info, time_fn
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 S, K, E, D, BLOCK_ROWS, FH = 12288, 3, 96, 256, 384, 512

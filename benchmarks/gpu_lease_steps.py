@@ -172,8 +172,9 @@ def _guard_predictions() -> None:
 def bench(configs: list[str], dtype_name: str, json_path: str, dry: bool) -> int:
     import torch
 
-    from mhmoe.research.bench import CONFIGS, DTYPES, bench_config, format_rows, machine_info
+    from mhmoe.research.bench import CONFIGS, DTYPES, bench_config, format_rows
     from mhmoe.research.bench_peers import installed_peers, peer_info
+    from mhmoe.research.timing import machine_info
 
     _guard_predictions()
     dev = torch.device("cpu" if dry else "cuda")

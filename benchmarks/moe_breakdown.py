@@ -28,7 +28,8 @@ import torch
 from mhmoe.moe.dispatch.fused import _blocks, _run_blocks, expert_workers, fused_moe
 from mhmoe.moe.layers import build_ffn_layer
 from mhmoe.moe.routers import RouterOutput
-from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner, machine_info, time_fns
+from mhmoe.research.bench import CONFIGS, D_MODEL, DTYPES, _runner
+from mhmoe.research.timing import machine_info, time_fns
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 

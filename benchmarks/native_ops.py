@@ -35,7 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mhmoe.moe.dispatch import native
-from mhmoe.research.bench import machine_info, time_fns
+from mhmoe.research.timing import machine_info, time_fns
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the table formatter next to this script

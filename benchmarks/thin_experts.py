@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from mhmoe.moe.layers import build_ffn_layer
-from mhmoe.research.bench import _autocast, _runner, machine_info, time_fns
+from mhmoe.research.bench import _autocast, _runner
 from mhmoe.research.reproduce import SUITES
+from mhmoe.research.timing import machine_info, time_fns
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 IMPLS = ("sorted", "fused", "chunked")

@@ -42,7 +42,7 @@ from mhmoe.config.presets import get_preset, preset_names
 from mhmoe.errors import ConfigError
 from mhmoe.model.lm import LM
 from mhmoe.model.recompute import set_activation_checkpointing
-from mhmoe.research.bench import bf16_peak_tflops
+from mhmoe.research.timing import bf16_peak_tflops
 from mhmoe.runtime.cpu_malloc import ENV as MALLOC_ENV
 from mhmoe.runtime.cpu_malloc import malloc_from_env
 from mhmoe.runtime.device import autocast_ctx

@@ -58,7 +58,7 @@ def bench(dtype: torch.dtype, repeats: int) -> dict:
     from mhmoe.moe.dispatch.triton import triton_moe
     from mhmoe.moe.experts import GroupedExperts
     from mhmoe.moe.routers import RouterOutput
-    from mhmoe.research.bench import machine_info, time_fns
+    from mhmoe.research.timing import machine_info, time_fns
 
     dev = torch.device("cuda")
     machine = machine_info(dev)
@@ -137,7 +137,7 @@ def warm(json_path: str | None) -> dict:
 
 
 def _machine() -> dict:
-    from mhmoe.research.bench import machine_info
+    from mhmoe.research.timing import machine_info
 
     return machine_info(torch.device("cuda"))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mhmoe.cli import main
-from mhmoe.research.bench import time_fns
+from mhmoe.research.timing import time_fns
 
 
 def test_bench_moe_json_schema(tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_time_fns_round_robin_and_fallible_peers():
 def test_paired_ratio_cancels_a_machine_that_changes_speed():
     """Two functions timed in turn while the machine runs at 1x, then 3x slower: the ratio of the medians mixes the
     levels, the median of the per-repeat ratios does not; ``samples`` gets the times in repeat order."""
-    from mhmoe.research.bench import paired_ratio
+    from mhmoe.research.timing import paired_ratio
 
     dense = [10.0, 10.0, 30.0, 30.0, 30.0]
     ours = [20.0, 20.0, 60.0, 60.0, 60.0]
