@@ -2,7 +2,7 @@
 that were killed half-way.
 
 :func:`torch.utils.cpp_extension.load` compiles with ninja into a build directory and serialises concurrent builds
-with a lock *file* that it deletes when it is done; a build killed half-way (a session or job that ends, Ctrl-C, the
+with a lock *file* that it deletes when it is done; a build killed half-way (a job that ends, Ctrl-C, the
 OOM killer) leaves that file behind and every later ``load`` of that directory waits for it forever. So the build
 here runs under a lock of its own instead (:class:`filelock.FileLock`, as the run directories: an ``flock`` on
 POSIX, which the kernel releases when the holder dies), removes torch's stale lock file while holding it, waits at
