@@ -116,6 +116,7 @@ def test_results_keep_curves_epochs_and_the_environment(tmp_path, monkeypatch):
     assert main_pair["mean_diff"] == pytest.approx(-0.01) and main_pair["p_min"] == 0.5
     md = (out / "results.md").read_text()
     assert "Primary comparison (kjv validation loss" in md and "Reported on:" in md and "| seeds |" in md
+    assert f"({len(data['runs'])} runs)" in md.split("Trained on: ")[1].split("\n")[0]
 
 
 def test_provenance_outside_a_checkout_and_the_command_line(tmp_path, monkeypatch):
@@ -126,6 +127,22 @@ def test_provenance_outside_a_checkout_and_the_command_line(tmp_path, monkeypatc
     env = provenance.environment(["cpu"], 1)
     assert env["command"] == "mhmoe reproduce decisive --rows 'MH-MoE (head=3)'" and env["threads"] == 1
     assert "thread(s) per run" in provenance.describe(env)
+    assert "thread" not in provenance.describe(env, threads=False)
+
+
+def test_the_report_names_the_runs_machines_not_the_reporting_process():
+    """The threads, machine and torch of the runs come from their own records (a --report-only process runs with
+    torch's default thread count, not the runs' train.threads)."""
+    from mhmoe.research import provenance
+
+    def env(threads: int, cpu: str = "Xeon", commit: str = "a" * 40) -> dict:
+        return {"machine": {"cpu": cpu, "isa": ["amx_bf16"]}, "threads": threads, "torch_default_threads": 2,
+                "versions": {"torch": "2.13.0"}, "git": {"commit": commit, "dirty": False}}
+
+    line = provenance.describe_runs([env(1), env(1, commit="b" * 40), env(2), None, env(1, cpu="EPYC")])
+    assert line == ("Xeon (amx_bf16), 1 thread(s) per run, torch 2.13.0 (2 runs); "
+                    "Xeon (amx_bf16), 2 thread(s) per run, torch 2.13.0 (1 run); "
+                    "EPYC (amx_bf16), 1 thread(s) per run, torch 2.13.0 (1 run); 1 run without a recorded machine")
 
 
 def test_records_elsewhere_report_without_the_run_directories(tmp_path, monkeypatch):

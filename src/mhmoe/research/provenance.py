@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +83,27 @@ def _argv() -> list[str]:
     return argv
 
 
-def describe(env: dict[str, Any]) -> str:
-    """One line for results.md: ``Intel Xeon (avx2, avx512f, amx_bf16), 1 thread, torch 2.13.0, commit 1a2b3c4``."""
+def describe(env: dict[str, Any], threads: bool = True, commit: bool = True) -> str:
+    """One line for results.md: ``Intel Xeon (avx2, avx512f, amx_bf16), 1 thread(s) per run, torch 2.13.0, commit
+    1a2b3c4``; ``threads=False`` leaves the thread count out (a process that only reports trains nothing),
+    ``commit=False`` the commit."""
     m = env.get("machine") or {}
     where = m.get("gpu") or f"{m.get('cpu', '?')} ({', '.join(m.get('isa') or []) or 'no ISA flags read'})"
-    threads = env.get("threads")
     git = env.get("git") or {}
-    commit = (git.get("commit") or "")[:10]
-    return (f"{where}, {threads or env.get('torch_default_threads')} thread(s) per run, torch "
-            f"{(env.get('versions') or {}).get('torch')}" + (f", commit {commit}" if commit else "")
-            + (" (uncommitted changes)" if git.get("dirty") else ""))
+    sha = (git.get("commit") or "")[:10] if commit else ""
+    n = env.get("threads") or env.get("torch_default_threads")
+    return (where + (f", {n} thread(s) per run" if threads else "")
+            + f", torch {(env.get('versions') or {}).get('torch')}" + (f", commit {sha}" if sha else "")
+            + (" (uncommitted changes)" if commit and git.get("dirty") else ""))
+
+
+def describe_runs(environments: list[dict[str, Any] | None]) -> str:
+    """Where the runs trained, from their own records: ``Intel Xeon (...), 1 thread(s) per run, torch 2.13.0 (96
+    runs)``, one such part per distinct machine, thread count and torch (``; ``-separated, most runs first), and
+    how many runs recorded none."""
+    counts = Counter(describe(e, commit=False) for e in environments if e)
+    parts = [f"{what} ({n} run{'s' if n != 1 else ''})" for what, n in counts.most_common()]
+    missing = sum(1 for e in environments if not e)
+    if missing:
+        parts.append(f"{missing} run{'s' if missing != 1 else ''} without a recorded machine")
+    return "; ".join(parts)

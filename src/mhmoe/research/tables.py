@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mhmoe.research.provenance import describe
+from mhmoe.research.provenance import describe, describe_runs
 from mhmoe.research.report import CURVES_PNG, RESULTS_JSON, write_json
 from mhmoe.research.stats import compare_paired, format_comparison, separation_counts
 from mhmoe.research.suites import Row, suite_settings
@@ -216,7 +216,8 @@ def write_outputs(name: str, rows: list[Row], results: list[dict], out: Path, bu
                      "tokens per run (calibrated: training, evaluation, checkpoints; budget.json).")
         summary["budget"] = budget
     if environment:
-        lines.append(f"Reported on: {describe(environment)}; each run's own machine is in results.json.")
+        lines.append(f"Trained on: {describe_runs([r.get('environment') for r in results])} (each run's own record "
+                     "in results.json). Reported on: " + describe(environment, threads=False) + ".")
         summary["environment"] = environment
     lines += [""] + comparison_lines(summary)
     atomic_write(out / "results.md", "\n".join(lines).rstrip() + "\n")
