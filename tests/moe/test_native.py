@@ -504,3 +504,28 @@ def test_glu_up_projection_matches_its_gemms_and_activation(M, K, N, gemm, keep)
     if keep:
         assert torch.equal(h1, r1) and torch.equal(h3, r3)
     assert torch.equal(act, torch.nn.functional.silu(r1).mul_(r3))
+
+
+@needs_dot_gemm
+@pytest.mark.parametrize("keep", [True, False])
+def test_outputs_past_the_cache_are_the_same_bits(keep):
+    """A forward whose rows' outputs outgrow the cache (8,192 rows of 256: 4 MiB, written past the cache by the own
+    kernels) gives, expert by expert, the bits of the loop's own GEMMs called one at a time (written through it)."""
+    gen = torch.Generator().manual_seed(7)
+    ops = native.expert_ops(torch.bfloat16)
+    E, D, Fh, R = 4, 256, 64, 8192
+    gemm = native.own_gemm()
+    xs = _bf16(R, D, gen=gen)
+    w1, w3 = _bf16(E, D, Fh, gen=gen, scale=D**-0.5), _bf16(E, D, Fh, gen=gen, scale=D**-0.5)
+    w2 = _bf16(E, Fh, D, gen=gen, scale=Fh**-0.5)
+    sizes = [1000, 3000, 96, 4096]
+    starts = [0, 1000, 4000, 4096]
+    h1, h3 = (torch.empty(R, Fh, dtype=torch.bfloat16) for _ in range(2))
+    ys = torch.full((R, D), float("nan"), dtype=torch.bfloat16)
+    ops.expert_forward(xs, w1, w2, w3, h1 if keep else None, h3 if keep else None, ys, starts, sizes, 2, gemm)
+    for e, (r0, c) in enumerate(zip(starts, sizes, strict=True)):
+        act = torch.empty(c, Fh, dtype=torch.bfloat16)
+        ops.expert_glu_up(xs[r0:r0 + c], w1[e], w3[e], None, None, act, gemm)
+        y = torch.empty(c, D, dtype=torch.bfloat16)
+        ops.expert_matmul(act, w2[e], y, False, gemm, False)
+        assert torch.equal(ys[r0:r0 + c], y), e

@@ -44,6 +44,10 @@ using mhmoe_native::swiglu_forward;
 // Where an expert's GEMMs run (decided in Python: native.expert_gemm).
 enum Gemm : int64_t { kAten = 0, kDot = 1, kAmx = 2 };
 
+// Outputs of the forward at least this large (bytes, all experts) are written past the cache (larger than the L2 of
+// the CPUs measured: 1-2 MiB a core); smaller ones stay in cache for the combine that reads them next.
+constexpr int64_t kStreamOutputBytes = int64_t{4} << 20;
+
 #ifdef MHMOE_DOT_GEMM
 // n 32-bit elements of per-thread scratch `buf` (grown as needed), starting on a cache line: a std::vector's buffer is
 // only 16-byte aligned, and the own kernels' 64-byte tile and vector loads from a misaligned one each touch two lines
@@ -489,6 +493,9 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
   if (keep) check_hidden(xs, w1, w3, *h1, h3);
   TORCH_CHECK(keep || !h3, "h3 is kept only with h1");
   TORCH_CHECK(ys.is_contiguous() && ys.sizes() == xs.sizes(), "ys must be a contiguous [R, D] tensor");
+  // the rows' outputs, read again only by the combine after every expert, written past the cache (the own kernels)
+  // where they outgrow the cache anyway: a write through it first reads every line it writes
+  const bool stream_ys = ys.numel() * ys.element_size() >= kStreamOutputBytes;
   const auto schedule = schedule_of(sizes, threads);
   // act (kept hidden buffers), or a1 and a3 (forward-only; act over a3)
   auto scratch = lane_scratch(schedule, sizes, keep ? 1 : (glu ? 2 : 1), F, xs.options());
@@ -516,7 +523,7 @@ void expert_forward(const Tensor& xs, const Tensor& w1, const Tensor& w2, const 
         at::clamp_min_out(act, a1, 0);  // at::relu (over a1 without buffers to keep)
       }
       Tensor y = ys.narrow(0, r0, C);
-      matmul(y, act, w2[e], false, gemm, after < 0 ? Tensor() : w1[after]);
+      matmul(y, act, w2[e], false, gemm, after < 0 ? Tensor() : w1[after], stream_ys);
     });
   });
 }
