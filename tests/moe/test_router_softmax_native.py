@@ -108,3 +108,83 @@ def test_does_not_apply_off_its_inputs():
     with torch.utils.flop_counter.FlopCounterMode(display=False):  # FLOP counts see the reference ops
         assert not native_router.applies(x, 8, 2)
     assert native_router.applies(x, 8, 2) == (native.expert_ops(torch.float32) is not None)
+
+
+def _reference_sums(out, mask):
+    """The GateSums fields from the reference formulas (mhmoe.moe.losses' own) on a route's logits and probs."""
+    eps = torch.finfo(torch.float32).tiny
+    return (torch.logsumexp(out.logits, -1), -(out.probs * (out.probs + eps).log()).sum(-1),
+            (out.probs * mask[:, None]).sum(0))
+
+
+@needs_ext
+@pytest.mark.parametrize("spread", [1.0, 60.0])  # 60: most probabilities underflow to zero
+def test_gate_sums_match_the_reference_formulas(spread):
+    """The pass's logsumexp, entropy and per-expert sums: the reference formulas' values and gradients (to x and the
+    router weight) to fp32 rounding, with and without underflowing probabilities."""
+    torch.manual_seed(3)
+    router = build_router(40, MoEConfig(n_experts=96, top_k=3))
+    x, mask = torch.randn(700, 40) * spread, torch.rand(700) > 0.2
+    coef = [torch.randn(700), torch.randn(700), torch.randn(96)]
+
+    def loss_of(sums):
+        return sum((c * s).sum() for c, s in zip(coef, sums, strict=True))
+
+    got, gx, gw = _run(router, x, mask, lambda o: loss_of((o.sums.lse, o.sums.entropy, o.sums.prob_sum)), False)
+    want, wx, ww = _run(router, x, mask, lambda o: loss_of(_reference_sums(o, mask)), True)
+    assert want.sums is None and got.sums is not None
+    for g, w in zip((got.sums.lse, got.sums.entropy, got.sums.prob_sum), _reference_sums(want, mask), strict=True):
+        torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-5)
+    assert got.sums.entropy.min() >= -1e-6 and got.sums.entropy.max() <= torch.log(torch.tensor(96.0)) + 1e-5
+    for g, w in ((gx, wx), (gw, ww)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+@needs_ext
+def test_prob_sum_is_the_same_on_any_thread_count():
+    router = build_router(32, MoEConfig(n_experts=24, top_k=2))
+    x, mask = torch.randn(3000, 32), torch.rand(3000) > 0.1
+    was = torch.get_num_threads()
+    try:
+        sums = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                sums.append(router(x, mask).sums.prob_sum)
+    finally:
+        torch.set_num_threads(was)
+    assert torch.equal(sums[0], sums[1]) and torch.equal(sums[0], sums[2])
+
+
+@needs_ext
+@pytest.mark.parametrize("mode", ["token", "batch"])
+def test_router_losses_from_the_pass_match_the_reference(mode):
+    """A layer whose balance, z and entropy losses all train: the same aux loss and gradients with the pass's
+    reductions as with the reference ops over the scores."""
+    from mhmoe.moe.layers import MoELayer
+
+    torch.manual_seed(1)
+    cfg = MoEConfig(n_experts=16, top_k=2, d_expert=32, z_loss_weight=0.1, entropy_loss_weight=0.3,
+                    entropy_mode=mode)
+    layer = MoELayer(24, cfg)
+    x, mask = torch.randn(400, 24), torch.rand(400) > 0.1
+
+    def run(reference: bool):
+        layer.zero_grad()
+        xx = x.clone().requires_grad_()
+        if reference:
+            with native.disabled():
+                out = layer(xx, mask)
+        else:
+            out = layer(xx, mask)
+        assert (out.route.sums is None) == reference
+        out.aux_loss.backward()
+        return out, xx.grad, layer.router.weight.grad.clone()
+
+    got, gx, gw = run(False)
+    want, wx, ww = run(True)
+    for k in ("balance", "z", "entropy"):  # the batch entropy log E - H(mean p) cancels to ~1e-5: fp32 steps of 2e-7
+        torch.testing.assert_close(got.losses[k], want.losses[k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
+    for g, w in ((gx, wx), (gw, ww)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())

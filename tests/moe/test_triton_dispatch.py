@@ -50,7 +50,8 @@ def _route(S, E, K, gen, skew=0.0, capacity=None, pad=0.0, device=DEV) -> Router
     w = torch.where(valid, w, 0)
     route = RouterOutput(weights=w, experts=idx, valid=valid, logits=logits, probs=probs,
                          counts=torch.bincount(idx.flatten(), minlength=E), token_mask=token_mask)
-    route = RouterOutput(**{f.name: getattr(route, f.name).to(device) for f in dataclasses.fields(route)})
+    route = RouterOutput(**{f.name: getattr(route, f.name).to(device) for f in dataclasses.fields(route)
+                            if getattr(route, f.name) is not None})
     route.weights.requires_grad_()
     return route
 

@@ -184,13 +184,15 @@ class MoELayer(nn.Module):
         code reading counts first choices only in the balance loss (routing.py: ``ce = mean(mask1)``)."""
         experts = route.experts[:, :1] if self.cfg.xmoe_code else route.experts
         chosen = chosen[:, :1] if self.cfg.xmoe_code else chosen
-        w = self.loss_weights()
+        w, sums = self.loss_weights(), route.sums  # sums: the router's own reductions of the scores, or None
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["balance"] != 0):
-            balance = load_balancing_loss(route.probs, experts, chosen, route.token_mask)
+            balance = load_balancing_loss(route.probs, experts, chosen, route.token_mask,
+                                          None if sums is None else sums.prob_sum)
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["z"] != 0):  # weight 0: logged, no graph
-            z = router_z_loss(route.logits, route.token_mask)
+            z = router_z_loss(route.logits, route.token_mask, None if sums is None else sums.lse)
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["entropy"] != 0):
-            entropy = entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode)
+            entropy = entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode,
+                                   *((None, None) if sums is None else (sums.entropy, sums.prob_sum)))
         return {"balance": balance, "z": z, "entropy": entropy}
 
 

@@ -12,6 +12,7 @@ whether the slot is used (padding, capacity drops and expert-choice's unpicked p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,25 @@ from torch import Tensor, nn
 
 from mhmoe.config.moe import MoEConfig
 from mhmoe.moe.capacity import expert_capacity, expert_counts
+
+
+@dataclass
+class GateSums:
+    """Reductions of a softmax gate over its rows that the router losses read (:mod:`mhmoe.moe.losses`), computed in
+    the router's own pass over the scores where it has one (the CPU softmax router's C++ pass,
+    :mod:`mhmoe.moe.dispatch.native.router`); differentiable to the logits. The losses compute the same from
+    ``logits`` / ``probs`` where a router has none.
+
+    Attributes:
+        lse:      [S] fp32 logsumexp of each row's logits (the z-loss).
+        entropy:  [S] fp32 ``-sum_e p log p`` of each row's probabilities (the token entropy loss).
+        prob_sum: [E] fp32 probabilities summed over the routed tokens (``token_mask``; the balance loss's P_e times
+                  their number, the batch entropy loss).
+    """
+
+    lse: Tensor
+    entropy: Tensor
+    prob_sum: Tensor
 
 
 @dataclass
@@ -33,6 +53,8 @@ class RouterOutput:
         probs:   [S, E] fp32 gate distribution used by the balance/entropy losses.
         counts:  [E] int64 (token, slot) assignments per expert, before capacity drops.
         token_mask: [S] bool, token takes part in routing (False = padding).
+        sums: the losses' reductions of ``logits`` / ``probs`` where the router computed them (:class:`GateSums`),
+            else None.
     """
 
     weights: Tensor
@@ -42,6 +64,7 @@ class RouterOutput:
     probs: Tensor
     counts: Tensor
     token_mask: Tensor
+    sums: GateSums | None = None
 
     @property
     def top_k(self) -> int:
@@ -119,9 +142,9 @@ class Router(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             cpu = self._cpu_softmax(xg, token_mask)
             if cpu is not None and cpu[1] is not None:
-                probs, weights, experts = cpu[1]
+                probs, weights, experts, sums = cpu[1]
                 return RouterOutput(weights, experts, valid, cpu[0], probs, _counts(experts, valid, self.n_experts),
-                                    token_mask)
+                                    token_mask, GateSums(*sums))
             if cpu is None:
                 logits, gate, probs = self.scores(xg)
             else:  # tied scores: the reference ops on the same scores
@@ -136,12 +159,12 @@ class Router(nn.Module):
         return RouterOutput(weights, experts, valid, logits, probs, _counts(experts, valid, self.n_experts),
                             token_mask)
 
-    def _cpu_softmax(self, xg: Tensor, token_mask: Tensor) -> tuple[Tensor, tuple[Tensor, ...] | None] | None:
+    def _cpu_softmax(self, xg: Tensor, token_mask: Tensor) -> tuple[Tensor, tuple[Any, ...] | None] | None:
         """The CPU path of a softmax router whose scores are ``xg @ weight.t()``: the score GEMM, then the softmax,
-        top-k and combine weights in one C++ pass per row and their backward in another
+        top-k, combine weights and the losses' reductions in one C++ pass per row and their backward in another
         (:mod:`mhmoe.moe.dispatch.native.router`, the same numbers to fp32 rounding). ``(logits, (probs, weights,
-        experts))``; ``(logits, None)`` where tied scores leave the top-k to ``torch.topk``'s rule; None where it
-        does not apply: the reference ops run."""
+        experts, (lse, entropy, prob_sum)))``; ``(logits, None)`` where tied scores leave the top-k to ``torch.topk``'s
+        rule; None where it does not apply: the reference ops run."""
         if self.fused_gate != "softmax" or type(self).scores is not SoftmaxRouter.scores:
             return None
         try:

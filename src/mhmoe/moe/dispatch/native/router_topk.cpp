@@ -119,14 +119,18 @@ std::tuple<Tensor, Tensor> topk_rows(const Tensor& scores, int64_t k) {
 // The softmax router's per-row work after its score GEMM, in one pass per row (mhmoe/moe/dispatch/native/router.py):
 // probs = softmax(logits) (ATen's formula: exp(l - max) times the reciprocal of their sum), the top-k of
 // probs + bias (as topk_rows: tied rows flagged for torch.topk), weights = the chosen probs, divided by their sum
-// (floored at 1e-9) when `renorm`, times the token mask.
-void softmax_row(const float* l, float* p, int64_t E) {
+// (floored at 1e-9) when `renorm`, times the token mask; and the reductions the router losses read: each row's
+// logsumexp (max + log of the sum) and entropy (log of the sum minus the probs' mean of l - max: -sum p log p
+// without a log per element), and the routed rows' sum of probs per expert.
+// softmax_row: p = softmax(l); returns log(sum of exp(l - max)) and writes max to *mx_out.
+float softmax_row(const float* l, float* p, int64_t E, float* mx_out) {
   const int64_t full = E / W * W, rest = E - full;
   const fVec ninf(-std::numeric_limits<float>::infinity());
   fVec mx = ninf;
   for (int64_t e = 0; e < full; e += W) mx = at::vec::maximum(mx, fVec::loadu(l + e));
   if (rest) mx = at::vec::maximum(mx, fVec::set(ninf, fVec::loadu(l + full, rest), rest));
-  const fVec m(at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mx));
+  const float mxs = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, mx);
+  const fVec m(mxs);
   fVec sum(0.f);
   for (int64_t e = 0; e < full; e += W) {
     const fVec x = (fVec::loadu(l + e) - m).exp();
@@ -138,67 +142,110 @@ void softmax_row(const float* l, float* p, int64_t E) {
     x.store(p + full, rest);
     sum = sum + x;
   }
-  const fVec inv(1.f / at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sum));
+  const float total = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sum);
+  const fVec inv(1.f / total);
   for (int64_t e = 0; e < full; e += W) (fVec::loadu(p + e) * inv).store(p + e);
   if (rest) (fVec::loadu(p + full, rest) * inv).store(p + full, rest);
+  *mx_out = mxs;
+  return std::log(total);
 }
 
+// -sum_e p_e log p_e of a softmax row p of logits l with max m and log-sum `log_sum`: log p_e = l_e - m - log_sum, so
+// the entropy is log_sum - sum_e p_e (l_e - m) (p_e = 0 adds nothing, as p log p -> 0).
+float row_entropy(const float* l, const float* p, int64_t E, float m, float log_sum) {
+  const fVec mv(m);
+  const float mean = at::vec::map2_reduce_all<float>([mv](fVec x, fVec y) {
+        return fVec::blendv(x * (y - mv), fVec(0.f), x == fVec(0.f)); },
+      [](fVec a, fVec b) { return a + b; }, p, l, E);
+  return log_sum - mean;
+}
+
+constexpr int64_t kRowBlock = 256;  // rows per parallel block: the probs' per-expert sums add block partials in order
+
 // logits [S, E] float32 contiguous, bias [E] float32 or undefined, mask [S] bool -> (probs [S, E], weights [S, K],
-// ids [S, K] int64, tied [S] bool); 1 <= K < E, K <= kMaxK.
-std::tuple<Tensor, Tensor, Tensor, Tensor> softmax_topk(const Tensor& logits, const std::optional<Tensor>& bias,
-                                                        const Tensor& mask, int64_t k, bool renorm) {
+// ids [S, K] int64, tied [S] bool, lse [S], entropy [S], prob_sum [E]); 1 <= K < E, K <= kMaxK. prob_sum sums the
+// rows of mask's tokens, per block of kRowBlock rows and the blocks in order: the same numbers on any thread count.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> softmax_topk(
+    const Tensor& logits, const std::optional<Tensor>& bias, const Tensor& mask, int64_t k, bool renorm) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
               "softmax_topk: logits must be a contiguous float32 [S, E] tensor");
   const int64_t S = logits.size(0), E = logits.size(1);
   TORCH_CHECK(k >= 1 && k < E && k <= kMaxK && E < (1 << 24), "softmax_topk: need 1 <= k < E, k <= ", kMaxK);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == S, "softmax_topk: mask [S] bool");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == E), "softmax_topk: bias [E] float32");
-  Tensor probs = at::empty_like(logits), weights = at::empty({S, k}, logits.options());
-  Tensor ids = at::empty({S, k}, logits.options().dtype(at::kLong)), tied = at::empty({S}, mask.options());
+  const auto f32 = logits.options();
+  Tensor probs = at::empty_like(logits), weights = at::empty({S, k}, f32);
+  Tensor ids = at::empty({S, k}, f32.dtype(at::kLong)), tied = at::empty({S}, mask.options());
+  Tensor lse = at::empty({S}, f32), ent = at::empty({S}, f32);
+  const int64_t blocks = (S + kRowBlock - 1) / kRowBlock;
+  Tensor partial = at::zeros({std::max<int64_t>(blocks, 1), E}, f32);
   const Tensor b = bias ? bias->contiguous() : Tensor(), m = mask.contiguous();
   const float *lp = logits.const_data_ptr<float>(), *bp = bias ? b.const_data_ptr<float>() : nullptr;
   const bool* mp = m.const_data_ptr<bool>();
   float *pp = probs.mutable_data_ptr<float>(), *wp = weights.mutable_data_ptr<float>();
+  float *lsep = lse.mutable_data_ptr<float>(), *entp = ent.mutable_data_ptr<float>();
+  float* partp = partial.mutable_data_ptr<float>();
   int64_t* ip = ids.mutable_data_ptr<int64_t>();
   bool* tp = tied.mutable_data_ptr<bool>();
   const RowFn top = row_kernel(k, std::make_integer_sequence<int64_t, kMaxK>{});
-  at::parallel_for(0, S, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> choice(bp ? E : 0);
-    for (int64_t s = begin; s < end; ++s) {
-      float* p = pp + s * E;
-      softmax_row(lp + s * E, p, E);
-      if (bp) at::vec::map2([](fVec x, fVec y) { return x + y; }, choice.data(), p, bp, E);
-      tp[s] = top(bp ? choice.data() : p, E, ip + s * k);
-      float* w = wp + s * k;
-      if (tp[s]) {  // the ids may be unset: the caller runs torch.topk's rule instead
-        std::fill(ip + s * k, ip + (s + 1) * k, int64_t{0});
-        std::fill(w, w + k, 0.f);
-        continue;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* col = partp + blk * E;
+      for (int64_t s = blk * kRowBlock; s < std::min(S, (blk + 1) * kRowBlock); ++s) {
+        float* p = pp + s * E;
+        float mx;
+        const float log_sum = softmax_row(lp + s * E, p, E, &mx);
+        lsep[s] = mx + log_sum;
+        entp[s] = row_entropy(lp + s * E, p, E, mx, log_sum);
+        if (mp[s]) at::vec::map2([](fVec x, fVec y) { return x + y; }, col, col, p, E);
+        if (bp) at::vec::map2([](fVec x, fVec y) { return x + y; }, choice.data(), p, bp, E);
+        tp[s] = top(bp ? choice.data() : p, E, ip + s * k);
+        float* w = wp + s * k;
+        if (tp[s]) {  // the ids may be unset: the caller runs torch.topk's rule instead
+          std::fill(ip + s * k, ip + (s + 1) * k, int64_t{0});
+          std::fill(w, w + k, 0.f);
+          continue;
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < k; ++j) sum += (w[j] = p[ip[s * k + j]]);
+        const float den = std::max(sum, 1e-9f);
+        for (int64_t j = 0; j < k; ++j) w[j] = mp[s] ? (renorm ? w[j] / den : w[j]) : 0.f;
       }
-      float sum = 0.f;
-      for (int64_t j = 0; j < k; ++j) sum += (w[j] = p[ip[s * k + j]]);
-      const float den = std::max(sum, 1e-9f);
-      for (int64_t j = 0; j < k; ++j) w[j] = mp[s] ? (renorm ? w[j] / den : w[j]) : 0.f;
     }
   });
-  return {probs, weights, ids, tied};
+  Tensor prob_sum = partial[0].clone();
+  float* ps = prob_sum.mutable_data_ptr<float>();
+  for (int64_t blk = 1; blk < blocks; ++blk)
+    at::vec::map2([](fVec x, fVec y) { return x + y; }, ps, ps, partp + blk * E, E);
+  return {probs, weights, ids, tied, lse, ent, prob_sum};
 }
 
-// The gradient of softmax_topk's probs and weights with respect to the logits: dlogits [S, E] from probs [S, E],
-// ids [S, K], mask [S] and the gradients g_probs [S, E] and g_weights [S, K] (either undefined: zero).
-Tensor softmax_topk_backward(const Tensor& probs, const Tensor& ids, const Tensor& mask,
-                             const std::optional<Tensor>& g_probs, const std::optional<Tensor>& g_weights,
-                             bool renorm) {
+// The gradient of softmax_topk's probs, weights, lse, entropy and prob_sum with respect to the logits: dlogits [S, E]
+// from logits and probs [S, E], lse [S], ids [S, K], mask [S] and the gradients g_probs [S, E], g_weights [S, K],
+// g_lse [S], g_ent [S] and g_sum [E] (any undefined: zero). On each row: the gradient on probs g (g_probs, the
+// weights', mask * g_sum and the entropy's -g_ent (log p + 1), log p = l - lse), then dl = p (g - p.g + g_lse).
+Tensor softmax_topk_backward(const Tensor& logits, const Tensor& probs, const Tensor& lse, const Tensor& ids,
+                             const Tensor& mask, const std::optional<Tensor>& g_probs,
+                             const std::optional<Tensor>& g_weights, const std::optional<Tensor>& g_lse,
+                             const std::optional<Tensor>& g_ent, const std::optional<Tensor>& g_sum, bool renorm) {
   const int64_t S = probs.size(0), E = probs.size(1), k = ids.size(1);
   TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
-              ids.size(0) == S && mask.numel() == S, "softmax_topk_backward: shapes");
-  const Tensor gp = g_probs ? g_probs->contiguous() : Tensor(), gw = g_weights ? g_weights->contiguous() : Tensor();
+              ids.size(0) == S && mask.numel() == S && logits.sizes() == probs.sizes() && logits.is_contiguous() &&
+              logits.scalar_type() == at::kFloat && lse.numel() == S && lse.scalar_type() == at::kFloat,
+              "softmax_topk_backward: shapes");
+  const auto opt = [](const std::optional<Tensor>& t) { return t ? t->contiguous() : Tensor(); };
+  const Tensor gp = opt(g_probs), gw = opt(g_weights), gl = opt(g_lse), ge = opt(g_ent), gs = opt(g_sum);
   TORCH_CHECK(!gp.defined() || (gp.sizes() == probs.sizes() && gp.scalar_type() == at::kFloat), "g_probs [S, E]");
   TORCH_CHECK(!gw.defined() || (gw.sizes() == ids.sizes() && gw.scalar_type() == at::kFloat), "g_weights [S, K]");
+  for (const Tensor* t : {&gl, &ge})
+    TORCH_CHECK(!t->defined() || (t->numel() == S && t->scalar_type() == at::kFloat), "g_lse / g_ent [S]");
+  TORCH_CHECK(!gs.defined() || (gs.numel() == E && gs.scalar_type() == at::kFloat), "g_sum [E]");
   Tensor dl = at::empty_like(probs);
-  const Tensor ic = ids.contiguous(), m = mask.contiguous();
-  const float *pp = probs.const_data_ptr<float>(), *gpp = gp.defined() ? gp.const_data_ptr<float>() : nullptr,
-              *gwp = gw.defined() ? gw.const_data_ptr<float>() : nullptr;
+  const Tensor ic = ids.contiguous(), m = mask.contiguous(), lsec = lse.contiguous();
+  const auto ptr = [](const Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; };
+  const float *pp = probs.const_data_ptr<float>(), *lp = logits.const_data_ptr<float>(), *lsep = ptr(lsec);
+  const float *gpp = ptr(gp), *gwp = ptr(gw), *glp = ptr(gl), *gep = ptr(ge), *gsp = ptr(gs);
   const int64_t* ip = ic.const_data_ptr<int64_t>();
   const bool* mp = m.const_data_ptr<bool>();
   float* dp = dl.mutable_data_ptr<float>();
@@ -210,6 +257,11 @@ Tensor softmax_topk_backward(const Tensor& probs, const Tensor& ids, const Tenso
         std::copy(gpp + s * E, gpp + (s + 1) * E, g);
       else
         std::fill(g, g + E, 0.f);
+      if (gsp && mp[s]) at::vec::map2([](fVec x, fVec y) { return x + y; }, g, g, gsp, E);
+      if (gep && gep[s] != 0.f) {  // d(-p log p)/dp = -(log p + 1), log p = l - lse
+        const fVec c(-gep[s]), shift(lsep[s] - 1.f);
+        at::vec::map2([c, shift](fVec x, fVec l) { return x + c * (l - shift); }, g, g, lp + s * E, E);
+      }
       if (gwp && mp[s]) {
         const int64_t* id = ip + s * k;
         const float* gws = gwp + s * k;
@@ -222,7 +274,8 @@ Tensor softmax_topk_backward(const Tensor& probs, const Tensor& ids, const Tenso
       }
       const float dot = at::vec::map2_reduce_all<float>([](fVec x, fVec y) { return x * y; },
                                                         [](fVec x, fVec y) { return x + y; }, g, p, E);
-      at::vec::map2([dot](fVec x, fVec y) { return y * (x - fVec(dot)); }, g, g, p, E);
+      const fVec shift(dot - (glp ? glp[s] : 0.f));
+      at::vec::map2([shift](fVec x, fVec y) { return y * (x - shift); }, g, g, p, E);
     }
   });
   return dl;
@@ -233,9 +286,9 @@ Tensor softmax_topk_backward(const Tensor& probs, const Tensor& ids, const Tenso
 TORCH_LIBRARY_FRAGMENT(mhmoe_cpu, m) {
   m.def("topk_rows(Tensor scores, int k) -> (Tensor, Tensor)");
   m.def("softmax_topk(Tensor logits, Tensor? bias, Tensor mask, int k, bool renorm) -> (Tensor, Tensor, Tensor, "
-        "Tensor)");
-  m.def("softmax_topk_backward(Tensor probs, Tensor ids, Tensor mask, Tensor? g_probs, Tensor? g_weights, "
-        "bool renorm) -> Tensor");
+        "Tensor, Tensor, Tensor, Tensor)");
+  m.def("softmax_topk_backward(Tensor logits, Tensor probs, Tensor lse, Tensor ids, Tensor mask, Tensor? g_probs, "
+        "Tensor? g_weights, Tensor? g_lse, Tensor? g_ent, Tensor? g_sum, bool renorm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mhmoe_cpu, CPU, m) {
