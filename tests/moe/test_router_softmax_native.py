@@ -188,3 +188,21 @@ def test_router_losses_from_the_pass_match_the_reference(mode):
     torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
     for g, w in ((gx, wx), (gw, ww)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
+@needs_ext
+def test_entropy_gradient_is_finite_at_a_minus_inf_score():
+    """A score of -inf (probability 0): the entropy's gradient takes log(p + tiny) there, as the reference formula,
+    not -inf (whose product with p = 0 would be NaN)."""
+    ops = native._ops()
+    logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0], [0.5, -1.0, 0.0, 3.0]], requires_grad=True)
+    mask = torch.ones(2, dtype=torch.bool)
+    probs, _, ids, tied, lse, entropy, _ = ops.softmax_topk(logits.detach(), None, mask, 1, True)
+    assert not tied.any()
+    eps = torch.finfo(torch.float32).tiny
+    p = logits.softmax(-1)
+    (-(p * (p + eps).log()).sum(-1)).sum().backward()
+    dl = ops.softmax_topk_backward(logits.detach(), probs, lse, ids, mask, None, None, None, torch.ones(2), None, True)
+    assert torch.isfinite(dl).all()
+    torch.testing.assert_close(entropy, -(p * (p + eps).log()).sum(-1).detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dl, logits.grad, rtol=1e-5, atol=1e-6)

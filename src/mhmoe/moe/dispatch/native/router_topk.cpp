@@ -258,9 +258,10 @@ Tensor softmax_topk_backward(const Tensor& logits, const Tensor& probs, const Te
       else
         std::fill(g, g + E, 0.f);
       if (gsp && mp[s]) at::vec::map2([](fVec x, fVec y) { return x + y; }, g, g, gsp, E);
-      if (gep && gep[s] != 0.f) {  // d(-p log p)/dp = -(log p + 1), log p = l - lse
-        const fVec c(-gep[s]), shift(lsep[s] - 1.f);
-        at::vec::map2([c, shift](fVec x, fVec l) { return x + c * (l - shift); }, g, g, lp + s * E, E);
+      if (gep && gep[s] != 0.f) {  // d(-p log p)/dp = -(log p + 1), log p = l - lse, floored as log(p + tiny) is
+        const fVec c(-gep[s]), lse_s(lsep[s]), one(1.f), floor(std::log(std::numeric_limits<float>::min()));
+        at::vec::map2([=](fVec x, fVec l) { return x + c * (at::vec::maximum(l - lse_s, floor) + one); }, g, g,
+                      lp + s * E, E);
       }
       if (gwp && mp[s]) {
         const int64_t* id = ip + s * k;
