@@ -162,11 +162,15 @@ class ExpertParallelMoE(MoELayer):
         eps = torch.finfo(probs.dtype).tiny
         sel = chosen & mask[:, None]
         counts = torch.bincount(route.experts[sel], minlength=E).to(probs.dtype)
-        lse2 = torch.logsumexp(route.logits, dim=-1) ** 2
-        ent = -(probs * (probs + eps).log()).sum(-1)
+        sums = route.sums  # the router's own reductions of the scores (the CPU softmax router's pass), or None
+        if sums is None:
+            lse2, ent = torch.logsumexp(route.logits, dim=-1) ** 2, -(probs * (probs + eps).log()).sum(-1)
+            p_local = (probs * m[:, None]).sum(0)
+        else:
+            lse2, ent, p_local = sums.lse ** 2, sums.entropy, sums.prob_sum
         dropped = (chosen & ~route.valid).sum().to(probs.dtype)
-        local = torch.cat([(probs * m[:, None]).sum(0), (lse2 * m).sum()[None], (ent * m).sum()[None],
-                           counts, m.sum()[None], dropped[None]])
+        local = torch.cat([p_local, (lse2 * m).sum()[None], (ent * m).sum()[None], counts, m.sum()[None],
+                           dropped[None]])
         g = AllReduceSum.apply(local, self.stats_group)  # differentiable: SUM forward and backward
         p_sum, z_sum, h_sum = g[:E], g[E], g[E + 1]
         counts_g, n_g = g[E + 2:2 * E + 2].detach(), g[2 * E + 2].detach()
