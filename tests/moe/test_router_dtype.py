@@ -96,7 +96,7 @@ def test_the_fused_gpu_router_is_left_to_the_float32_reading(monkeypatch):
 
     calls = []
     monkeypatch.setattr(fused, "supported", lambda *a: True)
-    monkeypatch.setattr(fused, "fused_route", lambda *a: calls.append(a) or (None,) * 5)
+    monkeypatch.setattr(fused, "fused_route", lambda *a: calls.append(a) or (None,) * 8)
     x, mask = torch.randn(4, 32), torch.ones(4, dtype=torch.bool)
     for dtype in ("float32", "model"):
         r = _router("softmax", dtype)

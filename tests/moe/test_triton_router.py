@@ -1,7 +1,8 @@
 """The fused Triton router (mhmoe.moe.dispatch.triton.router) against the reference routers of mhmoe.moe.routers:
-scores, probabilities, combine weights, expert ids and counts, and the gradients of x and the router weight
-through all three differentiable outputs, at the router tests' tolerances (rtol 1e-5); random and degenerate
-shapes (one token, one expert, k = E, widths off every tile, masked tokens, selection bias); and causality.
+scores, probabilities, combine weights, expert ids and counts, the router losses' reductions (logsumexp, entropy,
+probabilities summed per expert), and the gradients of x and the router weight through all of them, at the router
+tests' tolerances (rtol 1e-5); random and degenerate shapes (one token, one expert, k = E, widths off every tile,
+masked tokens, selection bias); and causality.
 
 Without CUDA the kernels run under the Triton interpreter (set before the kernels are imported, as in
 test_triton_dispatch.py).
@@ -45,14 +46,28 @@ def _pair(router: str, E: int, K: int, D: int, renorm: bool, aux_free: bool, see
     return ref, new
 
 
-def _run(router, x, mask, coef):
-    """Outputs and the gradients of x and the weight under a fixed linear loss of logits, probs and weights."""
+def _sums(out, mask, own: bool):
+    """The router losses' reductions of a route: the router's own (``own``: GateSums), else the reference formulas
+    of mhmoe.moe.losses on its scores and probabilities."""
+    if own:
+        return out.sums.lse, out.sums.entropy, out.sums.prob_sum
+    m = torch.ones(out.probs.shape[0], device=out.probs.device) if mask is None else mask.float()
+    tiny = torch.finfo(torch.float32).tiny
+    return (torch.logsumexp(out.logits, -1), -(out.probs * (out.probs + tiny).log()).sum(-1),
+            (out.probs * m[:, None]).sum(0))
+
+
+def _run(router, x, mask, coef, own_sums: bool):
+    """Outputs, the losses' reductions and the gradients of x and the weight under a fixed linear loss of logits,
+    probs, weights and the reductions."""
     x = x.detach().clone().requires_grad_()
     router.weight.grad = None
     out = router(x, mask)
+    sums = _sums(out, mask, own_sums)
     loss = (out.logits * coef[0]).sum() + (out.probs * coef[1]).sum() + (out.weights * coef[2]).sum()
+    loss = loss + sum((s * c).sum() for s, c in zip(sums, coef[3:], strict=True))
     loss.backward()
-    return out, x.grad, router.weight.grad
+    return out, sums, x.grad, router.weight.grad
 
 
 CASES = [  # router, S, E, K, D, renorm, aux_free, x dtype, masked
@@ -73,14 +88,17 @@ def test_matches_the_reference_router(router, S, E, K, D, renorm, aux_free, dtyp
     x = torch.randn(S, D, generator=gen).to(DEV, dtype)
     mask = (torch.rand(S, generator=gen) > 0.3).to(DEV) if masked else None
     coef = [torch.randn(S, E, generator=gen).to(DEV), torch.randn(S, E, generator=gen).to(DEV),
-            torch.randn(S, K, generator=gen).to(DEV)]
+            torch.randn(S, K, generator=gen).to(DEV), torch.randn(S, generator=gen).to(DEV),
+            torch.randn(S, generator=gen).to(DEV), torch.randn(E, generator=gen).to(DEV)]
     assert fused.supported(x, E, K, router)
-    want, gx_want, gw_want = _run(ref, x, mask, coef)
-    got, gx_got, gw_got = _run(new, x, mask, coef)
+    want, want_sums, gx_want, gw_want = _run(ref, x, mask, coef, own_sums=False)
+    got, got_sums, gx_got, gw_got = _run(new, x, mask, coef, own_sums=True)  # the kernel's reductions
     assert torch.equal(got.experts, want.experts) and torch.equal(got.valid, want.valid)
     assert torch.equal(got.counts, want.counts) and got.counts.dtype == torch.int64
     for name in ("logits", "probs", "weights"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6, msg=name)
+    for name, g, w in zip(("lse", "entropy", "prob_sum"), got_sums, want_sums, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
     scale = gw_want.abs().max().item()
     torch.testing.assert_close(gw_got, gw_want, rtol=1e-5, atol=1e-5 * scale)
     assert gx_got.dtype == dtype
@@ -140,15 +158,18 @@ def test_cuda_at_mh3_size_matches_and_never_synchronises(dtype):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(S, D, generator=gen) * 0.5).to(DEV, dtype)
     coef = [torch.randn(S, E, generator=gen).to(DEV), torch.randn(S, E, generator=gen).to(DEV),
-            torch.randn(S, K, generator=gen).to(DEV)]
-    want, gx_want, gw_want = _run(ref, x, None, coef)
-    got, gx_got, gw_got = _run(new, x, None, coef)  # compiles first: that synchronises
+            torch.randn(S, K, generator=gen).to(DEV), torch.randn(S, generator=gen).to(DEV),
+            torch.randn(S, generator=gen).to(DEV), torch.randn(E, generator=gen).to(DEV)]
+    want, want_sums, gx_want, gw_want = _run(ref, x, None, coef, own_sums=False)
+    got, got_sums, gx_got, gw_got = _run(new, x, None, coef, own_sums=True)  # compiles first: that synchronises
     assert (got.experts == want.experts).float().mean() > 0.999  # ties within fp32 rounding may swap a slot
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(("lse", "entropy", "prob_sum"), got_sums, want_sums, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4, msg=name)
     torch.testing.assert_close(gw_got, gw_want, rtol=1e-4, atol=1e-4 * gw_want.abs().max().item())
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _run(new, x, None, coef)
+        _run(new, x, None, coef, own_sums=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")

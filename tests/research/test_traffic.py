@@ -104,14 +104,15 @@ def test_a_large_bf16_gemm_is_compute_bound_near_the_measured_rate():
 
 def test_fused_router_is_predicted_cheaper_and_counts_its_flops():
     """The fused router's kernels: split-bf16 MMAs over the padded experts (3 products for bf16 inputs); the model
-    predicts it cheaper than the fp32 reference router for mh3, and the router losses the same either way."""
+    predicts it cheaper than the fp32 reference router for mh3, and its losses cheaper (the kernel's own reductions
+    in place of eager passes over the scores)."""
     c = CONFIGS["mh3"]
     s, d = TOKENS * c.heads, D_MODEL // c.heads
     fwd = router_kernels(s, d, c.experts, c.top_k, pass_="fwd")
     assert [k.kernel for k in fwd] == ["router_fwd"] and fwd[0].flops == 2 * s * d * 128 * 3
     assert [k.kernel for k in router_kernels(s, d, c.experts, c.top_k)] == ["router_fwd", "router_bwd", "router_wgrad"]
     new, ref = router_prediction(s, d, c.experts, c.top_k), router_prediction(s, d, c.experts, c.top_k, fused=False)
-    assert new["router_ms"] < 0.5 * ref["router_ms"] and new["losses_ms"] == ref["losses_ms"]
+    assert new["router_ms"] < 0.5 * ref["router_ms"] and 0 < new["losses_ms"] < 0.2 * ref["losses_ms"]
 
 
 def test_traffic_model_json_keeps_layer_names(tmp_path):

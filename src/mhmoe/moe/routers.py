@@ -24,9 +24,10 @@ from mhmoe.moe.capacity import expert_capacity, expert_counts
 
 @dataclass
 class GateSums:
-    """Reductions of a softmax gate over its rows that the router losses read (:mod:`mhmoe.moe.losses`), computed in
-    the router's own pass over the scores where it has one (the CPU softmax router's C++ pass,
-    :mod:`mhmoe.moe.dispatch.native.router`); differentiable to the logits. The losses compute the same from
+    """Reductions of a gate over its rows that the router losses read (:mod:`mhmoe.moe.losses`), computed in the
+    router's own pass over the scores where it has one (the CPU softmax router's C++ pass,
+    :mod:`mhmoe.moe.dispatch.native.router`; the fused GPU router's kernel, :mod:`mhmoe.moe.dispatch.triton.router`);
+    differentiable to the logits. The losses compute the same from
     ``logits`` / ``probs`` where a router has none.
 
     Attributes:
@@ -193,10 +194,10 @@ class Router(nn.Module):
         if not fused.supported(x, self.n_experts, self.top_k, self.fused_gate):
             return None
         bias = self.selection_bias if self.aux_free else None
-        logits, probs, weights, experts, counts = fused.fused_route(x, self.weight, bias, token_mask, self.top_k,
-                                                                    self.fused_gate, self.renormalize)
+        logits, probs, weights, experts, counts, *sums = fused.fused_route(
+            x, self.weight, bias, token_mask, self.top_k, self.fused_gate, self.renormalize)
         valid = token_mask[:, None].expand(x.shape[0], self.top_k).clone()
-        return RouterOutput(weights, experts, valid, logits, probs, counts, token_mask)
+        return RouterOutput(weights, experts, valid, logits, probs, counts, token_mask, GateSums(*sums))
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor, apply: Tensor | None = None) -> None:

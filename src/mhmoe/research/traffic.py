@@ -251,6 +251,8 @@ REF_ROUTER_PASSES = (3, 12)  # softmax, top-k; backward: the weights' gradient s
 LOSS_PASSES = (13, 16)  # the balance (3 forward, 3 backward), z (2) and entropy (8) losses: all three computed
 # forward for the statistics, only the balance loss differentiated at the default weights (z and entropy at
 # weight 0 take no part in the backward; with both trained the backward adds about 16 more passes)
+FUSED_LOSS_PASSES = (0, 1)  # the fused router's kernel reduces the scores for the losses itself (per-row and
+# per-expert results only); backward: the balance loss's gradient written out as the probabilities' gradient
 ROUTER_BM = 64  # tokens per program of the fused router kernels (mhmoe.moe.dispatch.triton.router)
 
 
@@ -283,7 +285,8 @@ def router_prediction(s: int, d: int, e: int, k: int, dtype: str = "bf16", pass_
                       dev: Device = H100_SXM, fused: bool = True) -> dict[str, float]:
     """Predicted ms of the router and of its losses for s (sub-)tokens of width d: ``fused`` the Triton kernels
     (:func:`router_kernels`), else the reference (x copied to fp32, an fp32 CUDA-core GEMM -- TF32 off, PyTorch's
-    default -- and its two backward GEMMs, :data:`REF_ROUTER_PASSES`); the losses (:data:`LOSS_PASSES`) either way."""
+    default -- and its two backward GEMMs, :data:`REF_ROUTER_PASSES`); the losses: from the fused kernel's own
+    reductions (:data:`FUSED_LOSS_PASSES`) or eager passes over the scores (:data:`LOSS_PASSES`)."""
     b = 2 if dtype == "bf16" else 4
     fwd = pass_ == "fwd"
     if fused:
@@ -292,7 +295,7 @@ def router_prediction(s: int, d: int, e: int, k: int, dtype: str = "bf16", pass_
         casts = s * d * (b + 4) * (1 if fwd else 2)  # x to fp32; its gradient back to x's dtype
         router = ((1 if fwd else 3) * dense_gemm_us(s, d, e, dev, "fp32", 4) + _elementwise_us(casts, 1, dev, 1)
                   + _elementwise_us(s * e, REF_ROUTER_PASSES[0 if fwd else 1], dev, 4))
-    losses = _elementwise_us(s * e, LOSS_PASSES[0 if fwd else 1], dev, 4)
+    losses = _elementwise_us(s * e, (FUSED_LOSS_PASSES if fused else LOSS_PASSES)[0 if fwd else 1], dev, 4)
     return {"router_ms": router / 1e3, "losses_ms": losses / 1e3}
 
 

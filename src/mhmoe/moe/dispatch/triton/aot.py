@@ -117,7 +117,7 @@ def _record_router(S: int, E: int, K: int, D: int, dtype: torch.dtype, needs: tu
 
     x, w = torch.empty(S, D, dtype=dtype), torch.empty(E, D)
     mask = torch.ones(S, dtype=torch.bool)
-    logits, _, _, experts, _ = R._forward(x, w, None, mask, K, "softmax", True)
+    logits, _, _, experts, *_ = R._forward(x, w, None, mask, K, "softmax", True)
     if needs is not None and (needs[0] or needs[1]):
         g = torch.empty(S, E)
         R._backward(g, g, torch.empty(S, K), x, w, logits, experts, mask, "softmax", True, needs[0], needs[2])

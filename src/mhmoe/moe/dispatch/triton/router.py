@@ -9,8 +9,10 @@ Shape legend: S routed (sub-)tokens, D router input width, E experts, K top-k sl
 an autograd formula ``mhmoe::triton_router_backward``) and synchronises nothing with the host. What it
 replaces, per forward and backward: the fp32 CUDA-core GEMM x W^T and its two backward GEMMs (now bf16
 tensor-core MMAs on split operands), the copy of x to fp32, and the softmax, top-k, gather, renormalisation
-and count passes over the [S, E] scores with their backward (now in registers). The router losses still
-read the stored scores and probabilities (``RouterOutput.logits``, ``.probs``).
+and count passes over the [S, E] scores with their backward (now in registers), and the router losses' passes over
+the scores: the kernel also reduces each row to its logsumexp and entropy and sums the routed rows' probabilities
+per expert (``RouterOutput.sums``); their gradients join the scores' and probabilities' in torch ops before the
+backward kernel, only for the losses that train.
 
 :func:`supported` says where it runs: softmax or sigmoid gates, E <= :data:`MAX_EXPERTS`, K <= E, bf16 or fp32
 inputs, on CUDA -- or on CPU tensors when the kernels were imported under the Triton interpreter (tests).
@@ -109,7 +111,9 @@ def _launch(name: str, dtype: torch.dtype, grid: tuple, args: tuple, consts: dic
 
 def _forward(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_k: int, gate: str,
              renorm: bool) -> list[Tensor]:
-    """[logits [S, E] fp32, probs [S, E] fp32, weights [S, K] fp32, experts [S, K] int64, counts [E] int64]."""
+    """[logits [S, E] fp32, probs [S, E] fp32, weights [S, K] fp32, experts [S, K] int64, counts [E] int64, lse [S]
+    fp32, entropy [S] fp32, prob_sum [E] fp32]: the last three the router losses' reductions
+    (:class:`~mhmoe.moe.routers.GateSums`)."""
     x = _aligned(x)
     S, D = x.shape
     E = w.shape[0]
@@ -120,15 +124,17 @@ def _forward(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_
     experts = torch.empty(S, top_k, dtype=torch.int64, device=dev)
     G = triton.cdiv(S, FWD["BM"])
     part = torch.empty(G, EP, dtype=torch.int32, device=dev)
+    lse, entropy = torch.empty(S, dtype=torch.float32, device=dev), torch.empty(S, dtype=torch.float32, device=dev)
+    psum = torch.empty(G, EP, dtype=torch.float32, device=dev)
     mask = token_mask.reshape(-1).contiguous().view(torch.uint8)
     wp = _weight_parts(w)
     _launch("router_fwd", x.dtype, (G,),
             (x, x.stride(0), x.stride(1), wp, wp if bias is None else bias.float().contiguous(), mask, logits, probs,
-             weights, experts, part, S, D, E),
+             weights, experts, part, lse, entropy, psum, S, D, E),
             dict(K=top_k, KP=next_pow2(top_k), EP=EP, X_SPLIT=x.dtype != torch.bfloat16, SIGMOID=gate == "sigmoid",
                  HAS_BIAS=bias is not None, RENORM=renorm, **FWD))
     counts = part.sum(0, dtype=torch.int64)[:E]
-    return [logits, probs, weights, experts, counts]
+    return [logits, probs, weights, experts, counts, lse, entropy, psum.sum(0)[:E]]
 
 
 def _backward(g_logits: Tensor | None, g_probs: Tensor | None, g_weights: Tensor | None, x: Tensor, w: Tensor,
@@ -167,7 +173,7 @@ def _backward(g_logits: Tensor | None, g_probs: Tensor | None, g_weights: Tensor
 @torch.library.custom_op("mhmoe::triton_router", mutates_args=())
 def triton_router(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_k: int, gate: str,
                   renorm: bool) -> list[Tensor]:
-    """[logits, probs, weights, experts, counts] (see :func:`_forward`)."""
+    """[logits, probs, weights, experts, counts, lse, entropy, prob_sum] (see :func:`_forward`)."""
     return _forward(x, w, bias, token_mask, top_k, gate, renorm)
 
 
@@ -176,7 +182,8 @@ def _(x, w, bias, token_mask, top_k, gate, renorm):
     S, E = x.shape[0], w.shape[0]
     f32 = dict(dtype=torch.float32)
     return [x.new_empty(S, E, **f32), x.new_empty(S, E, **f32), x.new_empty(S, top_k, **f32),
-            x.new_empty(S, top_k, dtype=torch.int64), x.new_empty(E, dtype=torch.int64)]
+            x.new_empty(S, top_k, dtype=torch.int64), x.new_empty(E, dtype=torch.int64), x.new_empty(S, **f32),
+            x.new_empty(S, **f32), x.new_empty(E, **f32)]
 
 
 @torch.library.custom_op("mhmoe::triton_router_backward", mutates_args=())
@@ -195,16 +202,38 @@ def _(g_logits, g_probs, g_weights, x, w, logits, experts, token_mask, gate, ren
 
 def _setup_context(ctx, inputs, output) -> None:
     x, w, bias, token_mask, top_k, gate, renorm = inputs
-    logits, _, _, experts, _ = output
+    logits, probs, _, experts, *_ = output
     ctx.gate, ctx.renorm = gate, renorm
     ctx.set_materialize_grads(False)  # an output the loss does not use contributes nothing (None, not zeros)
-    ctx.save_for_backward(x, w, logits, experts, token_mask)
+    ctx.save_for_backward(x, w, logits, probs, experts, token_mask)
+
+
+def _sums_grads(g_logits: Tensor | None, g_probs: Tensor | None, g_lse: Tensor | None, g_entropy: Tensor | None,
+                g_sum: Tensor | None, logits: Tensor, probs: Tensor,
+                token_mask: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of the reductions (lse [S], entropy [S], prob_sum [E]) added to those of the scores and the
+    probabilities the backward kernel takes: d lse / d logits = softmax(logits); d(-p log(p + tiny)) / dp =
+    -(log(p + tiny) + p / (p + tiny)) (the reference's formula); d prob_sum / d probs = the token mask. Torch ops,
+    only for the reductions a loss trains (weight 0: logged, no gradient)."""
+    if g_lse is not None:
+        d = g_lse.float()[:, None] * logits.softmax(-1)
+        g_logits = d if g_logits is None else g_logits + d
+    extra = []
+    if g_entropy is not None:
+        tiny = torch.finfo(torch.float32).tiny
+        extra.append(-g_entropy.float()[:, None] * ((probs + tiny).log() + probs / (probs + tiny)))
+    if g_sum is not None:
+        extra.append(token_mask.reshape(-1, 1).to(torch.float32) * g_sum.float()[None, :])
+    for d in extra:
+        g_probs = d if g_probs is None else g_probs + d
+    return g_logits, g_probs
 
 
 def _autograd(ctx, grads: list[Tensor | None]):
-    x, w, logits, experts, token_mask = ctx.saved_tensors
+    x, w, logits, probs, experts, token_mask = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
-    g_logits, g_probs, g_weights = grads[:3]
+    g_weights = grads[2]
+    g_logits, g_probs = _sums_grads(grads[0], grads[1], *grads[5:8], logits, probs, token_mask)
     if not any(needs) or all(g is None for g in (g_logits, g_probs, g_weights)):
         return None, None, None, None, None, None, None
     dx, dw = triton_router_backward(g_logits, g_probs, g_weights, x, w, logits, experts, token_mask, ctx.gate,
@@ -217,9 +246,11 @@ triton_router.register_autograd(_autograd, setup_context=_setup_context)
 
 def fused_route(x: Tensor, w: Tensor, bias: Tensor | None, token_mask: Tensor, top_k: int, gate: str,
                 renorm: bool) -> tuple[Tensor, ...]:
-    """(logits [S, E], probs [S, E], weights [S, K], experts [S, K], counts [E]) of x [S, D] (bf16 or fp32) with
-    the router weight w [E, D] (fp32), the selection bias [E] (or None) and token_mask [S] bool: the gate
-    ``softmax`` (probs = gate) or ``sigmoid`` (probs = gate / sum), top-k of gate + bias, combine weights
-    gathered from the gate (divided by their sum, floored at 1e-9, when ``renorm``), 0 on masked tokens;
-    counts of the valid slots. Autograd: to x and w through logits, probs and weights."""
+    """(logits [S, E], probs [S, E], weights [S, K], experts [S, K], counts [E], lse [S], entropy [S], prob_sum [E])
+    of x [S, D] (bf16 or fp32) with the router weight w [E, D] (fp32), the selection bias [E] (or None) and
+    token_mask [S] bool: the gate ``softmax`` (probs = gate) or ``sigmoid`` (probs = gate / sum), top-k of gate +
+    bias, combine weights gathered from the gate (divided by their sum, floored at 1e-9, when ``renorm``), 0 on
+    masked tokens; counts of the valid slots; each row's logsumexp of the scores and entropy of the probabilities,
+    and the probabilities of the routed tokens summed per expert (the router losses' reductions). Autograd: to x and
+    w through logits, probs, weights and the reductions."""
     return tuple(triton_router(x, w, bias, token_mask, top_k, gate, renorm))

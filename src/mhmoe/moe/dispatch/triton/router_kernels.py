@@ -14,8 +14,8 @@ lo.hi), which leaves an error of the order of fp32 rounding. The backward GEMMs 
 gradient the same way.
 
 Every token's routing is a function of its own row of x (and W, the selection bias): no statistic across
-tokens enters it, so it is causal. The per-expert counts are per-program partial sums ([programs, EP],
-summed in torch): no atomics, deterministic.
+tokens enters it, so it is causal. The per-expert counts and probability sums are per-program partial sums
+([programs, EP], summed in torch): no atomics, deterministic.
 """
 
 from __future__ import annotations
@@ -100,12 +100,15 @@ def _router_fwd_kernel(
     logits_ptr, probs_ptr,  # out: [S, E] fp32
     weights_ptr, experts_ptr,  # out: [S, K] fp32 combine weights (0 on masked tokens), int64 expert ids
     counts_ptr,  # out: [programs, EP] int32 partial per-expert counts of the valid slots
+    lse_ptr, ent_ptr,  # out: [S] fp32 each row's logsumexp of the scores and entropy of the probabilities
+    psum_ptr,  # out: [programs, EP] fp32 partial sums of the routed tokens' probabilities per expert
     S, D, E,
     K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr,
     X_SPLIT: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
 ):
     """Scores, gate, top-k of (gate + bias), combine weights (renormalised over the k when RENORM; the
-    1e-9 floor of the reference) and the per-expert counts of BM tokens, in one pass over their x rows."""
+    1e-9 floor of the reference) and the per-expert counts of BM tokens, in one pass over their x rows; and the
+    router losses' reductions of the same rows (logsumexp, entropy, probabilities summed per expert)."""
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     rmask = rows < S
@@ -122,6 +125,12 @@ def _router_fwd_kernel(
         choice = gate + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
     choice = tl.where(cmask[None, :], choice, float("-inf"))
     live = (tl.load(mask_ptr + rows, mask=rmask, other=0) != 0) & rmask
+    z = tl.where(cmask[None, :], logits, float("-inf"))
+    zmax = tl.max(z, axis=1)
+    tl.store(lse_ptr + rows, zmax + tl.log(tl.sum(tl.exp(z - zmax[:, None]), axis=1)), mask=rmask)
+    plogp = tl.where(cmask[None, :], probs * tl.log(probs + 1.1754943508222875e-38), 0.0)  # log(p + fp32 tiny)
+    tl.store(ent_ptr + rows, -tl.sum(plogp, axis=1), mask=rmask)
+    tl.store(psum_ptr + pid * EP + cols, tl.sum(tl.where(live[:, None] & cmask[None, :], probs, 0.0), axis=0))
     kcols = tl.arange(0, KP)
     wk = tl.zeros((BM, KP), dtype=tl.float32)
     ek = tl.zeros((BM, KP), dtype=tl.int32)
