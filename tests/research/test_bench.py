@@ -29,8 +29,22 @@ def test_bench_moe_json_schema(tmp_path, capsys):
         assert r["ratio_floor"] == r["ms_floor"] / r["ms_ours"]
         assert r["ratio_vs_smoe"] == 1.0 and r["ratio_vs_smoe_auto"] == 1.0  # smoe against itself
         assert r["ratio_vs_smoe_paired"] == 1.0 and r["ratio_dense_auto_paired"] > 0
+        assert r["ratio_vs_smoe_same_rounds"] == 1.0
     assert "| smoe | float32 | fwd |" in capsys.readouterr().out
     assert main(["bench", "moe", "--configs", "huge"]) == 2
+
+
+def test_bench_times_the_smoe_layer_in_the_same_rounds(tmp_path, capsys):
+    """Rows of the other configs time the SMoE layer (impl="auto") in every repeat: ``ratio_vs_smoe_same_rounds`` is
+    auto's time over it, repeat by repeat (one repeat here: the ratio of the two times)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "moe", "--configs", "mh2", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
+                 "--no-loop", "--peers", "--json", str(out)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "auto vs smoe same rounds" in header and "| smoe ms |" not in header  # a reference, not a path
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["ms_smoe"] > 0
+        assert r["ratio_vs_smoe_same_rounds"] == pytest.approx(r[f"ms_{r['auto_impl']}"] / r["ms_smoe"])
 
 
 def test_bench_peers_rows(tmp_path):
@@ -238,8 +252,9 @@ def test_bench_moe_set_applies_moe_fields_to_every_layer(tmp_path, capsys, monke
     assert main(["bench", "moe", "--configs", "mh2", "--dtypes", "float32", "--tokens", "32", "--repeats", "1",
                  "--no-loop", "--peers", "--set", "router_dtype=model", "--set", "router=sigmoid",
                  "--set", "balance_loss_weight=0", "--json", str(out)]) == 0
-    assert built and all(c.router_dtype == "model" and c.router == "sigmoid" and c.heads == 2
-                         and c.balance_loss_weight == 0 for c in built)
+    assert built and all(c.router_dtype == "model" and c.router == "sigmoid" and c.balance_loss_weight == 0
+                         for c in built)  # the mh2 layers and the SMoE layer timed beside them
+    assert {c.heads for c in built} == {1, 2} and sum(c.heads == 1 for c in built) == 1
     assert json.loads(out.read_text())["overrides"] == {"balance_loss_weight": 0, "router": "sigmoid",
                                                         "router_dtype": "model"}
     assert "every layer with balance_loss_weight=0, router=sigmoid, router_dtype=model" in capsys.readouterr().out

@@ -24,7 +24,9 @@ inputs and weights).
 Timing: warm-up, then the median of ``repeats`` runs, all candidates of a row timed round-robin
 (:func:`time_fns`), ``impl="auto"``'s path right before the dense FFN in every repeat: ``ratio_dense_auto_paired``
 is the median of the per-repeat ratios (:func:`paired_ratio`), robust where the machine's speed moves within
-seconds, and ``ratio_vs_smoe_paired`` the layer's time over SMoE's from the two rows' paired ratios. ``fwd`` runs
+seconds, ``ratio_vs_smoe_paired`` the layer's time over SMoE's from the two rows' paired ratios, and
+``ratio_vs_smoe_same_rounds`` the median of auto's time over the SMoE layer's (``ms_smoe``: SMoE, ``impl="auto"``,
+timed in every repeat of the other configs' rows, after the dense FFN). ``fwd`` runs
 under ``torch.no_grad()``, ``fwd_bwd`` runs forward + backward of ``out.sum() + aux_loss`` with parameter gradients
 and (by default) the input's gradient, as for any layer inside a network.
 """
@@ -240,8 +242,10 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
         layer.load_state_dict(first.state_dict())
     flops = layer_flops(cfg, tokens)
     align = ALIGN if device.type == "cuda" else CPU_ALIGN
-    refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL, align)),
-                                        "floor": GemmFloor(cfg, tokens)}
+    refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL, align))}
+    if cfg.name != "smoe":  # the SMoE layer (impl="auto") in the same rounds, right after the dense FFN
+        refs["smoe"] = build_ffn_layer(D_MODEL, replace(CONFIGS["smoe"], overrides=cfg.overrides).moe_config("auto"))
+    refs["floor"] = GemmFloor(cfg, tokens)
     if with_loop:
         refs["loop"] = build_ffn_layer(D_MODEL, cfg.moe_config("loop"))
         refs["loop"].load_state_dict(first.state_dict())
@@ -293,6 +297,8 @@ def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torc
         if f"ms_{auto}" in samples:  # the dense FFN's time (FLOP-normalised) over auto's, repeat by repeat
             row["ratio_dense_auto_paired"] = paired_ratio(samples["ms_dense"], samples[f"ms_{auto}"]) * (
                 flops / ref_flops)
+            if "ms_smoe" in samples:  # auto's time over the SMoE layer's, repeat by repeat
+                row["ratio_vs_smoe_same_rounds"] = paired_ratio(samples[f"ms_{auto}"], samples["ms_smoe"])
         if device.type == "cuda":
             row.update(_peak_mb({k: f for k, f in fns.items() if k in times and k != "ms_loop"}, device))
         _summarise(row, layers, refs, errors, flops / ref_flops)
@@ -381,6 +387,8 @@ def run_benchmark(configs: list[str], dtypes: list[str], tokens: int, repeats: i
         # its own dense FFN, so that the machine's speed when each row ran drops out
         paired, base_paired = r.get("ratio_dense_auto_paired"), base and base.get("ratio_dense_auto_paired")
         r["ratio_vs_smoe_paired"] = base_paired / paired if paired and base_paired else None
+        if r["config"] == "smoe":
+            r["ratio_vs_smoe_same_rounds"] = 1.0
     machine = machine_info(dev)
     machine["loadavg_before"] = load_before  # 1, 5, 15-minute load averages: other work on the machine
     machine["loadavg_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -399,14 +407,14 @@ def _pred_range(row: dict, key: str) -> str:
 
 def format_rows(result: dict) -> str:
     rows = result["rows"]
-    refs = ("ours", "dense", "dense_norm", "loop", "floor")
+    refs = ("ours", "dense", "dense_norm", "loop", "floor", "smoe")
     impls = sorted({k[3:] for r in rows for k in r
                     if k.startswith("ms_") and k[3:] not in refs and not k.startswith("ms_peer_")})
     peers = sorted({k[8:] for r in rows for k in r if k.startswith("ms_peer_")})
     pred = any("pred_ms_triton" in r for r in rows)
     head = (["config", "dtype", "pass", "tokens"] + [f"{i} ms" for i in impls]
             + ["ours ms", "loop ms", "dense ms", "dense/ours", "auto", "dense/auto", "dense/auto paired", "floor ms",
-               "floor/ours", "loop/ours", "vs smoe", "auto vs smoe", "auto vs smoe paired"]
+               "floor/ours", "loop/ours", "vs smoe", "auto vs smoe", "auto vs smoe paired", "auto vs smoe same rounds"]
             + [c for p in peers for c in (f"{p} ms", f"{p}/ours")]
             + (["triton ms predicted", "dense ms predicted"] if pred else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -417,7 +425,7 @@ def format_rows(result: dict) -> str:
                   f"`{r.get('auto_impl')}`", fmt(r.get("ratio_dense_auto"), 2),
                   fmt(r.get("ratio_dense_auto_paired"), 2), fmt(r["ms_floor"]), fmt(r["ratio_floor"], 2),
                   fmt(r["ratio_loop"], 2), fmt(r["ratio_vs_smoe"], 2), fmt(r.get("ratio_vs_smoe_auto"), 2),
-                  fmt(r.get("ratio_vs_smoe_paired"), 2)]
+                  fmt(r.get("ratio_vs_smoe_paired"), 2), fmt(r.get("ratio_vs_smoe_same_rounds"), 2)]
         cells += [c for p in peers for c in (fmt(r.get(f"ms_peer_{p}")), fmt(r.get(f"ratio_peer_{p}"), 2))]
         if pred:
             cells += [_pred_range(r, "pred_ms_triton"), _pred_range(r, "pred_ms_dense")]
