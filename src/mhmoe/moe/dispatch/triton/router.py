@@ -233,7 +233,7 @@ def _autograd(ctx, grads: list[Tensor | None]):
     x, w, logits, probs, experts, token_mask = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
     g_weights = grads[2]
-    g_logits, g_probs = _sums_grads(grads[0], grads[1], *grads[5:8], logits, probs, token_mask)
+    g_logits, g_probs = _sums_grads(grads[0], grads[1], grads[5], grads[6], grads[7], logits, probs, token_mask)
     if not any(needs) or all(g is None for g in (g_logits, g_probs, g_weights)):
         return None, None, None, None, None, None, None
     dx, dw = triton_router_backward(g_logits, g_probs, g_weights, x, w, logits, experts, token_mask, ctx.gate,
