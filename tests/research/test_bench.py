@@ -45,6 +45,11 @@ def test_bench_times_the_smoe_layer_in_the_same_rounds(tmp_path, capsys):
     for r in json.loads(out.read_text())["rows"]:
         assert r["ms_smoe"] > 0
         assert r["ratio_vs_smoe_same_rounds"] == pytest.approx(r[f"ms_{r['auto_impl']}"] / r["ms_smoe"])
+    from mhmoe.research.bench import CONFIGS, bench_config  # the GPU lease's steps leave the SMoE layer out
+
+    rows = bench_config(CONFIGS["mh2"], 32, torch.float32, torch.device("cpu"), 1, passes=("fwd",), with_loop=False,
+                        with_smoe=False)
+    assert "ms_smoe" not in rows[0] and "ratio_vs_smoe_same_rounds" not in rows[0]
 
 
 def test_bench_peers_rows(tmp_path):

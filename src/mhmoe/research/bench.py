@@ -232,8 +232,10 @@ def skipped_peers(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: tor
 
 
 def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: torch.device, with_loop: bool,
-                peers: tuple[str, ...]) -> tuple[dict[str, torch.nn.Module], dict[str, torch.nn.Module], int]:
-    """(our layers by impl, references and peers by name, the layer's forward FLOPs)."""
+                peers: tuple[str, ...], with_smoe: bool = True,
+                ) -> tuple[dict[str, torch.nn.Module], dict[str, torch.nn.Module], int]:
+    """(our layers by impl, references and peers by name, the layer's forward FLOPs); ``with_smoe``: the SMoE layer
+    among the references of the other configs."""
     tokens = x.shape[0]
     layers = {impl: build_ffn_layer(D_MODEL, cfg.moe_config(impl)).to(device, dtype)
               for impl in available_impls(device)}
@@ -243,7 +245,7 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
     flops = layer_flops(cfg, tokens)
     align = ALIGN if device.type == "cuda" else CPU_ALIGN
     refs: dict[str, torch.nn.Module] = {"dense": DenseFFN(D_MODEL, aligned_hidden(flops / tokens, D_MODEL, align))}
-    if cfg.name != "smoe":  # the SMoE layer (impl="auto") in the same rounds, right after the dense FFN
+    if with_smoe and cfg.name != "smoe":  # the SMoE layer (impl="auto") in the same rounds, after the dense FFN
         refs["smoe"] = build_ffn_layer(D_MODEL, replace(CONFIGS["smoe"], overrides=cfg.overrides).moe_config("auto"))
     refs["floor"] = GemmFloor(cfg, tokens)
     if with_loop:
@@ -263,13 +265,15 @@ def _candidates(cfg: BenchConfig, x: torch.Tensor, dtype: torch.dtype, device: t
 
 def bench_config(cfg: BenchConfig, tokens: int, dtype: torch.dtype, device: torch.device, repeats: int,
                  passes: tuple[str, ...] = PASSES, with_loop: bool = True, peers: tuple[str, ...] = (),
-                 input_grad: bool = True) -> list[dict]:
-    """One row per pass. ``input_grad``: the backward also computes the layer input's gradient, as every
+                 input_grad: bool = True, with_smoe: bool = True) -> list[dict]:
+    """One row per pass. ``with_smoe``: the SMoE layer timed in the same rounds (``ratio_vs_smoe_same_rounds``;
+    the GPU lease leaves it out: its router kernels would compile in the lease's first step).
+    ``input_grad``: the backward also computes the layer input's gradient, as every
     layer inside a network must (off, a path may skip its input-side GEMMs and a dense FFN its W1/W3
     data gradients)."""
     torch.manual_seed(0)
     x = torch.randn(tokens, D_MODEL, device=device, dtype=dtype).requires_grad_(input_grad)
-    layers, refs, flops = _candidates(cfg, x, dtype, device, with_loop, peers)
+    layers, refs, flops = _candidates(cfg, x, dtype, device, with_loop, peers, with_smoe)
     ref_flops = dense_flops(refs["dense"].experts.d_hidden, tokens)
     rows = []
     for pass_ in passes:
