@@ -185,14 +185,13 @@ class MoELayer(nn.Module):
         experts = route.experts[:, :1] if self.cfg.xmoe_code else route.experts
         chosen = chosen[:, :1] if self.cfg.xmoe_code else chosen
         w, sums = self.loss_weights(), route.sums  # sums: the router's own reductions of the scores, or None
+        lse, row_entropy, prob_sum = (None, None, None) if sums is None else (sums.lse, sums.entropy, sums.prob_sum)
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["balance"] != 0):
-            balance = load_balancing_loss(route.probs, experts, chosen, route.token_mask,
-                                          None if sums is None else sums.prob_sum)
+            balance = load_balancing_loss(route.probs, experts, chosen, route.token_mask, prob_sum)
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["z"] != 0):  # weight 0: logged, no graph
-            z = router_z_loss(route.logits, route.token_mask, None if sums is None else sums.lse)
+            z = router_z_loss(route.logits, route.token_mask, lse)
         with torch.set_grad_enabled(torch.is_grad_enabled() and w["entropy"] != 0):
-            entropy = entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode,
-                                   *((None, None) if sums is None else (sums.entropy, sums.prob_sum)))
+            entropy = entropy_loss(route.probs, route.token_mask, self.cfg.entropy_mode, row_entropy, prob_sum)
         return {"balance": balance, "z": z, "entropy": entropy}
 
 

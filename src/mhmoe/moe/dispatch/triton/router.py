@@ -209,14 +209,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _sums_grads(g_logits: Tensor | None, g_probs: Tensor | None, g_lse: Tensor | None, g_entropy: Tensor | None,
-                g_sum: Tensor | None, logits: Tensor, probs: Tensor,
-                token_mask: Tensor) -> tuple[Tensor | None, Tensor | None]:
+                g_sum: Tensor | None, logits: Tensor, probs: Tensor, token_mask: Tensor,
+                gate: str) -> tuple[Tensor | None, Tensor | None]:
     """The gradients of the reductions (lse [S], entropy [S], prob_sum [E]) added to those of the scores and the
-    probabilities the backward kernel takes: d lse / d logits = softmax(logits); d(-p log(p + tiny)) / dp =
-    -(log(p + tiny) + p / (p + tiny)) (the reference's formula); d prob_sum / d probs = the token mask. Torch ops,
-    only for the reductions a loss trains (weight 0: logged, no gradient)."""
+    probabilities the backward kernel takes: d lse / d logits = softmax(logits) (the probabilities of a softmax
+    gate); d(-p log(p + tiny)) / dp = -(log(p + tiny) + p / (p + tiny)) (the reference's formula); d prob_sum /
+    d probs = the token mask. Torch ops, only for the reductions a loss trains (weight 0: logged, no gradient)."""
     if g_lse is not None:
-        d = g_lse.float()[:, None] * logits.softmax(-1)
+        d = g_lse.float()[:, None] * (probs if gate == "softmax" else logits.softmax(-1))
         g_logits = d if g_logits is None else g_logits + d
     extra = []
     if g_entropy is not None:
@@ -233,7 +233,8 @@ def _autograd(ctx, grads: list[Tensor | None]):
     x, w, logits, probs, experts, token_mask = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
     g_weights = grads[2]
-    g_logits, g_probs = _sums_grads(grads[0], grads[1], grads[5], grads[6], grads[7], logits, probs, token_mask)
+    g_logits, g_probs = _sums_grads(grads[0], grads[1], grads[5], grads[6], grads[7], logits, probs, token_mask,
+                                    ctx.gate)
     if not any(needs) or all(g is None for g in (g_logits, g_probs, g_weights)):
         return None, None, None, None, None, None, None
     dx, dw = triton_router_backward(g_logits, g_probs, g_weights, x, w, logits, experts, token_mask, ctx.gate,
