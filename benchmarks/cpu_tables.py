@@ -72,13 +72,18 @@ def profile(data: dict[str, Any]) -> str:
 
 
 def throughput(files: list[dict[str, Any]], params: bool) -> str:
-    """``train_throughput.py``, one file per dtype (``params``: with the parameter counts)."""
+    """``train_throughput.py``, one file per dtype (``params``: with the parameter counts; the paired ratios where
+    every file has them)."""
+    paired = all(r.get("vs_dense_paired") is not None for f in files for r in f["rows"])
+    extra = ["vs_dense_paired", "vs_dense_fwd_bwd"] if paired else []
     head = ["preset", "dtype", "tokens/step", *(["params"] if params else []), "fwd FLOPs/token", "tokens/s",
-            "ms/step", "fwd+bwd ms", "optimizer ms", "vs dense"]
+            "ms/step", "fwd+bwd ms", "optimizer ms", "vs dense",
+            *(["vs dense paired", "fwd+bwd vs dense"] if paired else [])]
     rows = [[r["preset"], r["dtype"], f"{r['tokens_per_step']:,}",
              *([f"{r['params'] / 1e6:.2f}M"] if params else []), f"{r['fwd_flops_per_token'] / 1e6:.2f}M",
              f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.1f}", f"{r['ms_fwd_bwd']:.1f}",
-             f"{r['ms_optimizer']:.1f}", f"{r['vs_dense']:.2f}"] for f in files for r in f["rows"]]
+             f"{r['ms_optimizer']:.1f}", f"{r['vs_dense']:.2f}", *(f"{r[k]:.2f}" for k in extra)]
+            for f in files for r in f["rows"]]
     return _table(head, rows)
 
 

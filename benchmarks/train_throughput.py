@@ -11,8 +11,12 @@ Timing: the presets are built together and timed **round-robin** in one process:
 steps each, then ``--steps`` rounds in which every preset runs one step in turn; the median per preset (CUDA
 steps are synchronised), split into forward + backward and the rest (clipping, optimizer, balance step).
 ``vs dense``: tokens/s over the same family's dense preset's (``tiny-mh3`` -> ``tiny-dense``) times the
-ratio of FLOPs per token (1.00: the same FLOP rate). Prints a markdown table and, with ``--json PATH``, writes
-the rows plus a ``machine`` object (CPU model and ISA, threads, torch version, devices, load averages)::
+ratio of FLOPs per token (1.00: the same FLOP rate); ``vs dense paired``: the median over the rounds of that
+ratio from the two presets' steps of the same round (on a machine whose speed moves between rounds, the steps of
+one round mostly see the same speed); ``fwd+bwd vs dense``: the same paired ratio of the forward + backward
+times alone (without clipping, optimizer and balance step, whose cost grows with the parameter count). Prints
+a markdown table and, with ``--json PATH``, writes the rows plus a ``machine`` object (CPU model and ISA,
+threads, torch version, devices, load averages)::
 
     python benchmarks/train_throughput.py                                  # the 9 tiny-* presets
     python benchmarks/train_throughput.py --presets tiny-dense tiny-smoe tiny-mh3 --json bench.json
@@ -139,7 +143,8 @@ def _finish(row: dict[str, Any], times: list[tuple[float, float, float]]) -> dic
                 "ms_fwd_bwd": statistics.median(t[1] for t in times) * 1e3,
                 "ms_optimizer": statistics.median(t[2] for t in times) * 1e3,
                 "mfu": 3 * row["fwd_flops_per_token"] * row["tokens_per_step"] / sec / (peak * 1e12) if peak else None,
-                "step_times_s": [t[0] for t in times], "loadavg": list(os.getloadavg())})
+                "step_times_s": [t[0] for t in times], "fwd_bwd_times_s": [t[1] for t in times],
+                "loadavg": list(os.getloadavg())})
     return row
 
 
@@ -169,24 +174,41 @@ def bench_round_robin(names: list[str], device: torch.device, dtype: str, steps:
     return [_finish(row, t) for (_, row), t in zip(prepared, times, strict=True)]
 
 
+def paired_ratio(dense_s: list[float], own_s: list[float], flops_ratio: float) -> float | None:
+    """The median over rounds of ``dense time / own time`` (the same round's steps) times ``flops_ratio``; None
+    without equally many steps of both."""
+    if not own_s or len(dense_s) != len(own_s):
+        return None
+    return statistics.median(d / o for d, o in zip(dense_s, own_s, strict=True)) * flops_ratio
+
+
 def vs_dense(rows: list[dict[str, Any]]) -> None:
     """Each row's tokens/s over its family's dense preset's (``tiny-mh3`` -> ``tiny-dense``, same device, dtype and
-    overrides), scaled by the FLOPs per token (``vs_dense`` = 1: the same FLOP rate; None without a dense row)."""
+    overrides), scaled by the FLOPs per token (``vs_dense`` = 1: the same FLOP rate; None without a dense row);
+    ``vs_dense_paired`` and ``vs_dense_fwd_bwd``: the paired per-round ratios of the whole steps and of their
+    forward + backward (:func:`paired_ratio`; the presets of one :func:`bench_round_robin` run step in turn)."""
     for r in rows:
         family = r["preset"].split("-")[0]
         d = next((x for x in rows if x["preset"] == f"{family}-dense" and x["device"] == r["device"]
                   and x["dtype"] == r["dtype"] and x["overrides"] == r["overrides"]), None)
-        r["vs_dense"] = (r["tokens_per_s"] * r["fwd_flops_per_token"] / (d["tokens_per_s"] * d["fwd_flops_per_token"])
-                         if d else None)
+        flops = r["fwd_flops_per_token"] / d["fwd_flops_per_token"] if d else 0.0
+        r["vs_dense"] = r["tokens_per_s"] * flops / d["tokens_per_s"] if d else None
+        r["vs_dense_paired"] = paired_ratio(d["step_times_s"], r["step_times_s"], flops) if d else None
+        r["vs_dense_fwd_bwd"] = (paired_ratio(d.get("fwd_bwd_times_s", []), r.get("fwd_bwd_times_s", []), flops)
+                                 if d else None)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ["preset", "device", "dtype", "params", "fwd FLOPs/token", "tokens/s", "ms/step", "fwd+bwd ms",
-            "optimizer ms", "vs dense", "MFU"]
+            "optimizer ms", "vs dense", "vs dense paired", "fwd+bwd vs dense", "MFU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        vs = "-" if r.get("vs_dense") is None else f"{r['vs_dense']:.2f}"
+        vs = " | ".join(ratio(r.get(k)) for k in ("vs_dense", "vs_dense_paired", "vs_dense_fwd_bwd"))
         lines.append(f"| {r['preset']} | {r['device']} | {r['dtype']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['fwd_flops_per_token'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
                      f"{r.get('ms_fwd_bwd', 0):.1f} | {r.get('ms_optimizer', 0):.1f} | {vs} | {mfu} |")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import load_script
 
 from mhmoe.cli import main
 from mhmoe.config.data import DataConfig
@@ -338,7 +339,19 @@ def test_train_throughput_benchmark_smoke(tmp_path, capsys):
     assert dense["vs_dense"] == 1.0
     ratio = mh3["tokens_per_s"] * mh3["fwd_flops_per_token"] / (dense["tokens_per_s"] * dense["fwd_flops_per_token"])
     assert mh3["vs_dense"] == pytest.approx(ratio) and res["machine"]["isa"] and len(res["machine"]["loadavg"]) == 3
+    flops = mh3["fwd_flops_per_token"] / dense["fwd_flops_per_token"]  # one round: the paired ratios are its steps'
+    assert mh3["vs_dense_paired"] == pytest.approx(dense["step_times_s"][0] / mh3["step_times_s"][0] * flops)
+    assert mh3["vs_dense_fwd_bwd"] == pytest.approx(dense["fwd_bwd_times_s"][0] / mh3["fwd_bwd_times_s"][0] * flops)
+    assert dense["vs_dense_paired"] == dense["vs_dense_fwd_bwd"] == 1.0
     assert bench.main(["--presets", "tiny-nope"]) == 2
+
+
+def test_train_throughput_paired_ratio_is_the_median_of_the_rounds():
+    bench = load_script("benchmarks/train_throughput.py")
+    # rounds 2x, 1x and 4x slower than the dense steps: the median pairs round with round, not medians with medians
+    assert bench.paired_ratio([1.0, 3.0, 1.0], [2.0, 3.0, 4.0], 1.0) == pytest.approx(0.5)
+    assert bench.paired_ratio([1.0, 3.0, 1.0], [2.0, 3.0, 4.0], 2.0) == pytest.approx(1.0)
+    assert bench.paired_ratio([1.0, 2.0], [1.0], 1.0) is None and bench.paired_ratio([], [], 1.0) is None
 
 
 def test_generate_throughput_benchmark_smoke(tmp_path, capsys):
