@@ -29,7 +29,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("expert_loop.cpp", "slot_grads.cpp", "router_topk.cpp", "token_xent.cpp",
                                     "gathered_ffn.cpp", "group_rows.cpp")]
 # included by the sources; part of the build's key
-HEADERS = [HERE / name for name in ("vec_io.h", "swiglu.h", "dot_gemm.h", "amx_gemm.h")]
+HEADERS = [HERE / name for name in ("vec_io.h", "swiglu.h", "dot_gemm.h", "amx_gemm.h", "expert_gemm.h")]
 # ATen's vector classes follow these macros; the flags let the compiler emit the ISA torch itself runs
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
