@@ -42,6 +42,19 @@ def load_balancing_loss(probs: Tensor, experts: Tensor, valid: Tensor, token_mas
     return E * (f * p).sum()
 
 
+def _row_entropy(probs: Tensor) -> Tensor:
+    """Each row's gate entropy ``-sum_e p log p`` [S] of probs [S, E] (``log(p + tiny)``: finite at p = 0)."""
+    return -(probs * (probs + torch.finfo(probs.dtype).tiny).log()).sum(-1)
+
+
+def gate_reductions(logits: Tensor, probs: Tensor, token_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What the router losses read, from the scores, where a router did not compute it in its own pass
+    (:class:`~mhmoe.moe.routers.GateSums`' fields): each row's logsumexp [S] and entropy [S], and probs [S, E]
+    summed over the rows of token_mask [S] ([E])."""
+    return (torch.logsumexp(logits, dim=-1), _row_entropy(probs),
+            (probs * token_mask.to(probs.dtype)[:, None]).sum(0))
+
+
 def _mean_of_sum(total: Tensor, mask: Tensor) -> Tensor:
     """A masked sum over the rows of mask [S] divided by their number, as :func:`_masked_mean` (0 when none)."""
     return total / mask.sum().to(total.dtype).clamp_min(1.0)
@@ -66,8 +79,7 @@ def entropy_loss(probs: Tensor, token_mask: Tensor, mode: str = "token", row_ent
     """
     eps = torch.finfo(probs.dtype).tiny
     if mode == "token":
-        h = -(probs * (probs + eps).log()).sum(-1) if row_entropy is None else row_entropy
-        return _masked_mean(h, token_mask)
+        return _masked_mean(_row_entropy(probs) if row_entropy is None else row_entropy, token_mask)
     if mode == "batch":
         p = _masked_mean(probs, token_mask) if prob_sum is None else _mean_of_sum(prob_sum, token_mask)
         return math.log(probs.shape[-1]) + (p * (p + eps).log()).sum()

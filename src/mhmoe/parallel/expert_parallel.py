@@ -41,6 +41,7 @@ from mhmoe.moe.dispatch.common import sort_slots
 from mhmoe.moe.dispatch.grouped import grouped_mm_supported
 from mhmoe.moe.experts import GroupedExperts
 from mhmoe.moe.layers import MoELayer, RoutingStats
+from mhmoe.moe.losses import gate_reductions
 from mhmoe.moe.routers import RouterOutput
 
 _EXPERT_TENSORS = ("w1", "w2", "w3", "b1", "b2", "b3", "sub_norm")
@@ -162,14 +163,11 @@ class ExpertParallelMoE(MoELayer):
         eps = torch.finfo(probs.dtype).tiny
         sel = chosen & mask[:, None]
         counts = torch.bincount(route.experts[sel], minlength=E).to(probs.dtype)
-        sums = route.sums  # the router's own reductions of the scores (the CPU softmax router's pass), or None
-        if sums is None:
-            lse2, ent = torch.logsumexp(route.logits, dim=-1) ** 2, -(probs * (probs + eps).log()).sum(-1)
-            p_local = (probs * m[:, None]).sum(0)
-        else:
-            lse2, ent, p_local = sums.lse ** 2, sums.entropy, sums.prob_sum
+        sums = route.sums  # the router's own reductions of the scores, else the same from logits / probs
+        lse, ent, p_local = ((sums.lse, sums.entropy, sums.prob_sum) if sums is not None
+                             else gate_reductions(route.logits, probs, mask))
         dropped = (chosen & ~route.valid).sum().to(probs.dtype)
-        local = torch.cat([p_local, (lse2 * m).sum()[None], (ent * m).sum()[None], counts, m.sum()[None],
+        local = torch.cat([p_local, (lse ** 2 * m).sum()[None], (ent * m).sum()[None], counts, m.sum()[None],
                            dropped[None]])
         g = AllReduceSum.apply(local, self.stats_group)  # differentiable: SUM forward and backward
         p_sum, z_sum, h_sum = g[:E], g[E], g[E + 1]
