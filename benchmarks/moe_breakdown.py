@@ -72,8 +72,10 @@ def balanced_route(S: int, E: int, K: int) -> RouterOutput:
 
 
 def expert_flops(cfg: BenchConfig, tokens: int) -> int:
-    """Forward FLOPs of the config's routed SwiGLU experts on ``tokens`` tokens (3 GEMMs of d_in x F per row)."""
-    return 6 * tokens * cfg.heads * cfg.top_k * (D_MODEL // cfg.heads) * cfg.d_expert
+    """Forward FLOPs of the config's routed experts on ``tokens`` tokens (per row 3 GEMMs of d_in x F for SwiGLU,
+    2 for ReLU)."""
+    matrices = 2 if dict(cfg.overrides).get("ffn") == "relu" else 3
+    return 2 * matrices * tokens * cfg.heads * cfg.top_k * (D_MODEL // cfg.heads) * cfg.d_expert
 
 
 def loop_fns(experts: torch.nn.Module, counts: list[int], dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -82,22 +84,23 @@ def loop_fns(experts: torch.nn.Module, counts: list[int], dtype: torch.dtype) ->
     ops = native.expert_ops(dtype)
     if ops is None:
         return {}
-    w = {k: getattr(experts, k).detach() for k in ("w1", "w2", "w3")}
+    w = {k: None if getattr(experts, k) is None else getattr(experts, k).detach() for k in ("w1", "w2", "w3")}
     E, D, F = w["w1"].shape
     gemm = native.expert_gemm(dtype, D, F)
     starts = [sum(counts[:e]) for e in range(E)]
     R, threads = sum(counts), torch.get_num_threads()
     xs, dy = torch.randn(R, D, dtype=dtype), torch.randn(R, D, dtype=dtype)
-    h1, h3, ys, dxs = (torch.empty(R, n, dtype=dtype) for n in (F, F, D, D))
+    h1, ys, dxs = (torch.empty(R, n, dtype=dtype) for n in (F, D, D))
+    h3 = None if w["w3"] is None else torch.empty(R, F, dtype=dtype)  # SwiGLU only (ReLU experts have no W3)
 
-    def run(wt: dict[str, torch.Tensor]) -> Callable[[], object]:
+    def run(wt: dict[str, torch.Tensor | None]) -> Callable[[], object]:
         def step() -> object:
             ops.expert_forward(xs, wt["w1"], wt["w2"], wt["w3"], h1, h3, ys, starts, counts, threads, gemm)
             return ops.expert_backward(xs, h1, h3, dy, wt["w1"], wt["w2"], wt["w3"], dxs, starts, counts, threads,
                                        gemm)
         return step
 
-    hot = {k: v[:1].expand_as(v) for k, v in w.items()}
+    hot = {k: None if v is None else v[:1].expand_as(v) for k, v in w.items()}
     return {"loop": run(w), "loop_hot": run(hot)}
 
 

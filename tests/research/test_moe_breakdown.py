@@ -60,3 +60,10 @@ def test_a_tiny_run_times_every_part_and_tabulates_it():
 def test_a_bad_override_exits_2_naming_the_field(capsys):
     assert moe_breakdown.main(["--set", "router_dtype=bogus", "--configs", "smoe"]) == 2
     assert "router_dtype" in capsys.readouterr().err
+
+
+def test_relu_experts_time_the_loop_without_w3():
+    cfg = BenchConfig("tiny-relu", 4, 64, 2, 1, overrides=(("ffn", "relu"),))
+    row = moe_breakdown.breakdown(cfg, torch.float32, tokens=32, repeats=1, target=0.85)
+    assert row["ms_experts"] > 0 and ("ms_loop_hot" in row) == (row["auto_impl"] == "fused")
+    assert row["expert_flops_fwd"] == 4 * 32 * 2 * 768 * 64  # two GEMMs per row, top-2, no heads
