@@ -22,6 +22,7 @@ import time
 import torch
 
 from mhmoe.runtime.cpu import cpu_info, cpu_isa
+from mhmoe.runtime.cpu_malloc import malloc_from_env
 
 D = 768
 CONFIGS = {"smoe": (8, 2048, 1, 1), "fgmoe": (16, 1024, 2, 1), "mh2": (40, 768, 2, 2), "mh3": (96, 512, 3, 3)}
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also the up-projections with cold operands (see above)")
     ap.add_argument("--json", help="write the rows to this JSON file")
     args = ap.parse_args()
+    malloc_from_env()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for name, (E, F, k, h) in CONFIGS.items():
