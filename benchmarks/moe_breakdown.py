@@ -46,6 +46,7 @@ from dataclasses import replace
 
 import torch
 
+from mhmoe.config.flops import moe_layer_flops
 from mhmoe.errors import ConfigError
 from mhmoe.moe.dispatch import native
 from mhmoe.moe.dispatch.fused import fused_moe
@@ -72,10 +73,9 @@ def balanced_route(S: int, E: int, K: int) -> RouterOutput:
 
 
 def expert_flops(cfg: BenchConfig, tokens: int) -> int:
-    """Forward FLOPs of the config's routed experts on ``tokens`` tokens (per row 3 GEMMs of d_in x F for SwiGLU,
-    2 for ReLU)."""
-    matrices = 2 if dict(cfg.overrides).get("ffn") == "relu" else 3
-    return 2 * matrices * tokens * cfg.heads * cfg.top_k * (D_MODEL // cfg.heads) * cfg.d_expert
+    """Forward FLOPs of the config's routed experts on ``tokens`` tokens (the ``experts`` part of
+    :func:`mhmoe.config.flops.moe_layer_flops`, which :func:`~mhmoe.research.bench.layer_flops` sums)."""
+    return round(tokens * moe_layer_flops(cfg.moe_config("auto"), D_MODEL)["experts"])
 
 
 def loop_fns(experts: torch.nn.Module, counts: list[int], dtype: torch.dtype) -> dict[str, Callable[[], object]]:
